@@ -1,0 +1,1 @@
+"""kvsplice: an LLM inference engine that reuses KV cache beyond prefixes."""

@@ -1,0 +1,114 @@
+"""The prefix-cache interface the engine talks to, and the registry that picks one by name.
+
+A prefix cache maps the leading tokens of a request to KV blocks that already hold them. It is
+plain Python over a `BlockAllocator`: it never touches tensors. The engine calls, per request:
+
+    hit = cache.acquire(seq)      # at admission: take the longest usable cached prefix
+    ...                           # the engine writes KV for tokens hit.num_tokens.. into seq.block_table
+    cache.on_computed(seq)        # whenever seq.num_computed grew (after prefill, after each decode step)
+    cache.release(seq)            # finished or aborted: drop the request's references, keep what is cacheable
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kvsplice.kv.allocator import BlockAllocator
+
+
+@dataclass
+class CacheSeq:
+    """What a prefix cache sees of one request. The engine owns and mutates it."""
+
+    request_id: str
+    # Requests in different namespaces (model, cache salt) never share KV.
+    namespace: Hashable
+    # Every token of the request so far: the prompt, then the generated tokens.
+    token_ids: list[int]
+    # Block ids; token i's KV lives in block_table[i // block_size] at slot i % block_size.
+    block_table: list[int] = field(default_factory=list)
+    # Tokens 0 .. num_computed-1 have their KV written (the last sampled token never has).
+    num_computed: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The cached prefix a request takes at admission.
+
+    `blocks` cover tokens 0 .. num_tokens-1 and the request holds one reference on each. When
+    num_tokens is not a multiple of the block size, the last block is shared and only partly
+    valid for this request: the engine copies its first num_tokens % block_size slots into a
+    fresh block before writing, then drops its reference on the shared one.
+    """
+
+    num_tokens: int
+    blocks: tuple[int, ...]
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted in tokens, once per request at admission (vLLM's prefix_cache_queries / _hits)."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+class PrefixCache(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, allocator: BlockAllocator) -> None:
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.stats = PrefixCacheStats()
+
+    @abstractmethod
+    def acquire(self, seq: CacheSeq) -> PrefixHit:
+        """Match seq.token_ids (the prompt; seq.num_computed == 0 and seq.block_table is empty) and take
+        the hit for the request. At most len(token_ids) - 1 tokens hit: the last prompt token is always
+        computed, its logits are needed. Updates `stats`."""
+
+    @abstractmethod
+    def on_computed(self, seq: CacheSeq) -> None:
+        """seq.num_computed grew: the cache may index the newly completed blocks."""
+
+    @abstractmethod
+    def release(self, seq: CacheSeq) -> None:
+        """The request is done: drop its reference on every block of seq.block_table, in the cache's
+        order, and keep whatever the cache keeps. seq is not used again."""
+
+
+class NoPrefixCache(PrefixCache):
+    """Caching off: nothing is ever hit; a finished request frees its blocks."""
+
+    name = "off"
+
+    def acquire(self, seq: CacheSeq) -> PrefixHit:
+        self.stats.queries += len(seq.token_ids)
+        return PrefixHit(0, ())
+
+    def on_computed(self, seq: CacheSeq) -> None:
+        pass
+
+    def release(self, seq: CacheSeq) -> None:
+        self.allocator.decref(reversed(seq.block_table))
+
+
+PREFIX_CACHES: dict[str, type[PrefixCache]] = {NoPrefixCache.name: NoPrefixCache}
+
+
+def register_prefix_cache(cls: type[PrefixCache]) -> type[PrefixCache]:
+    assert cls.name not in PREFIX_CACHES, f"prefix cache {cls.name!r} registered twice"
+    PREFIX_CACHES[cls.name] = cls
+    return cls
+
+
+def make_prefix_cache(name: str, allocator: BlockAllocator) -> PrefixCache:
+    # Importing the implementations registers them.
+    from kvsplice.cache import hash_chain, radix  # noqa: F401
+
+    if name not in PREFIX_CACHES:
+        raise ValueError(f"unknown prefix cache {name!r}; choose one of {sorted(PREFIX_CACHES)}")
+    return PREFIX_CACHES[name](allocator)
