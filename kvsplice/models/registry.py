@@ -1,0 +1,26 @@
+"""Architectures kvsplice runs, keyed by the Hugging Face architecture name in config.json."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvsplice.errors import ModelLoadError
+from kvsplice.models import gemma3, llama
+from kvsplice.models.config import ModelConfig
+from kvsplice.models.layers import CausalLM
+
+ARCHITECTURES: dict[str, Callable[[ModelConfig], CausalLM]] = {
+    "Gemma3ForCausalLM": gemma3.build,
+    "LlamaForCausalLM": llama.build,
+    "MistralForCausalLM": llama.build,
+    "Qwen2ForCausalLM": llama.build,
+    "Qwen3ForCausalLM": llama.build,
+}
+
+
+def build_model(cfg: ModelConfig) -> CausalLM:
+    if cfg.architecture not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"architecture {cfg.architecture!r} is not supported; kvsplice runs {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return ARCHITECTURES[cfg.architecture](cfg)
