@@ -71,7 +71,7 @@ def simulate(kind: str, workload: Workload) -> SimCounts:
     return sim.counts
 
 
-PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @PROPERTY
