@@ -5,6 +5,10 @@ class KvspliceError(Exception):
     """Base of every error kvsplice raises on purpose."""
 
 
+class ConfigError(KvspliceError, ValueError):
+    """An engine setting is out of range or unknown."""
+
+
 class InvalidRequestError(KvspliceError, ValueError):
     """The request itself is wrong: empty prompt, bad sampling values, bad segment markup."""
 

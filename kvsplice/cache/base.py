@@ -105,10 +105,14 @@ def register_prefix_cache(cls: type[PrefixCache]) -> type[PrefixCache]:
     return cls
 
 
-def make_prefix_cache(name: str, allocator: BlockAllocator) -> PrefixCache:
+def prefix_cache_names() -> tuple[str, ...]:
     # Importing the implementations registers them.
     from kvsplice.cache import hash_chain, radix  # noqa: F401
 
-    if name not in PREFIX_CACHES:
+    return tuple(PREFIX_CACHES)
+
+
+def make_prefix_cache(name: str, allocator: BlockAllocator) -> PrefixCache:
+    if name not in prefix_cache_names():
         raise ValueError(f"unknown prefix cache {name!r}; choose one of {sorted(PREFIX_CACHES)}")
     return PREFIX_CACHES[name](allocator)

@@ -55,7 +55,8 @@ class ModelRunner:
         token_ids: list[int],
         query_positions: list[int],
         narrowing: Narrowing | None = None,
-    ) -> torch.Tensor:
+        need_logits: bool = True,
+    ) -> torch.Tensor | None:
         """Compute the tokens at `query_positions` (sorted) of a sequence whose keys are
         token_ids[:n] with n = query_positions[-1] + 1; every other position < n must already
         hold valid KV in the pool. Returns the float32 logits [vocab] of the last position."""
@@ -63,7 +64,8 @@ class ModelRunner:
         positions = torch.tensor(query_positions, dtype=torch.int64, device=self.device)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)[positions]
         ctx = self._context([block_table], positions[None], [n])
-        return self._forward(ids[None], ctx, narrowing)[0]
+        logits = self._forward(ids[None], ctx, narrowing, need_logits)
+        return None if logits is None else logits[0]
 
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
@@ -71,7 +73,9 @@ class ModelRunner:
         positions = torch.tensor([[it.position] for it in items], dtype=torch.int64, device=self.device)
         ids = torch.tensor([[it.token_id] for it in items], dtype=torch.int64, device=self.device)
         ctx = self._context([it.block_table for it in items], positions, [it.position + 1 for it in items])
-        return self._forward(ids, ctx, None)
+        logits = self._forward(ids, ctx, None, True)
+        assert logits is not None
+        return logits
 
     def _context(self, tables: list[list[int]], positions: torch.Tensor, lengths: list[int]) -> ForwardContext:
         bs = self.pool.block_size
@@ -89,7 +93,9 @@ class ModelRunner:
         write_slots = torch.stack([self.pool.slots(t, p) for t, p in zip(tables, positions, strict=True)])
         return ForwardContext(self.cfg, self.pool, self.freqs, positions, write_slots, key_slots, key_pos)
 
-    def _forward(self, ids: torch.Tensor, ctx: ForwardContext, narrowing: Narrowing | None) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, ctx: ForwardContext, narrowing: Narrowing | None, need_logits: bool
+    ) -> torch.Tensor | None:
         h = self.model.embed(ids)  # [B, T, hidden]
         last_probe = -1
         if narrowing is not None:
@@ -107,4 +113,4 @@ class ModelRunner:
                 index = keep.nonzero().squeeze(1)
                 h = h[:, index]
                 ctx.keep(index)
-        return self.model.logits(h[:, -1])  # [B, vocab]
+        return self.model.logits(h[:, -1]) if need_logits else None  # [B, vocab]

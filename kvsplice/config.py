@@ -1,0 +1,86 @@
+"""The one engine configuration. The Python API (`LLM(**kwargs)`), the CLI and the server all build it
+from the same fields, and it is validated once, here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvsplice.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _opt(help_text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": help_text}, **kwargs)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = _opt("Hugging Face model directory or .gguf file (default: Gemma 3 270M)", default=None)
+    device: str = _opt("torch device to run on", default="cpu")
+    dtype: str = _opt("compute dtype", default="float32")
+    kv_dtype: str = _opt("dtype of the stored KV", default="float32")
+    num_threads: int | None = _opt("torch intra-op threads (default: torch's choice)", default=None)
+    block_size: int = _opt("tokens per KV block", default=16)
+    kv_cache_gb: float = _opt("memory for the KV pool, in GiB, allocated up front", default=1.0)
+    max_model_len: int | None = _opt("longest prompt + output (default: the model's context)", default=None)
+    max_num_seqs: int = _opt("requests running at once (decode batch size)", default=16)
+    max_waiting: int = _opt("requests queued beyond the running ones before new ones are refused", default=256)
+    prefix_cache: str = _opt("prefix cache: hash (vLLM), radix (SGLang) or off", default="radix")
+    repair: str = _opt("repair policy for reused segments", default="deviation")
+    recompute_ratio: float = _opt("repair budget as a fraction of the reused segment tokens", default=0.15)
+    recompute_tokens: int | None = _opt("repair budget in tokens (overrides the ratio)", default=None)
+    seed: int = _opt("seed for sampling when a request gives none", default=0)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES or self.kv_dtype not in DTYPES:
+            raise ConfigError(f"dtype and kv_dtype must be one of {sorted(DTYPES)}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as err:
+            raise ConfigError(f"invalid device {self.device!r}: {err}") from err
+        _check(self.block_size >= 1, "block_size must be >= 1")
+        _check(self.kv_cache_gb > 0, "kv_cache_gb must be > 0")
+        _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(self.max_waiting >= 0, "max_waiting must be >= 0")
+        _check(0.0 <= self.recompute_ratio <= 1.0, "recompute_ratio must be in [0, 1]")
+        _check(self.recompute_tokens is None or self.recompute_tokens >= 0, "recompute_tokens must be >= 0")
+        from kvsplice.cache.base import prefix_cache_names
+        from kvsplice.repair import POLICY_NAMES
+
+        names = prefix_cache_names()
+        _check(self.prefix_cache in names, f"prefix_cache must be one of {names}")
+        _check(self.repair in POLICY_NAMES, f"repair must be one of {POLICY_NAMES}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_dtype]
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        """Add one --option per field to a CLI parser."""
+        for f in dataclasses.fields(EngineConfig):
+            kind = {"int | None": int, "int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"]
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

@@ -1,0 +1,140 @@
+"""Prefill of one request: take the cached prefix, find reused segments, plan, place, repair, run.
+
+This is DESIGN.md's flow, steps 2 to 6, for one request. Segments the store misses are computed in
+place with the rest of the prompt (exact for this request), and computed again on their own after
+the request's first token is out, to fill the store for later requests without delaying this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from kvsplice.cache.base import PrefixCache
+from kvsplice.cache.segments import SegmentEntry, SegmentStore
+from kvsplice.engine.request import Request
+from kvsplice.engine.runner import ModelRunner, Narrowing
+from kvsplice.errors import OutOfBlocksError
+from kvsplice.kv.pool import KVPool
+from kvsplice.kv.splice import move_kv
+from kvsplice.planner import Plan, SpanKind, make_plan
+from kvsplice.repair import budget_tokens, make_policy
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    plan: Plan
+    logits: torch.Tensor  # [vocab] float32, at the last prompt token
+    recomputed: int
+
+
+class Prefiller:
+    def __init__(
+        self, runner: ModelRunner, pool: KVPool, prefix_cache: PrefixCache, store: SegmentStore, max_len: int
+    ) -> None:
+        self.runner = runner
+        self.pool = pool
+        self.prefix_cache = prefix_cache
+        self.store = store
+        self.max_len = max_len
+
+    def blocks_needed(self, request: Request) -> int:
+        """Blocks for the whole request: prompt and every token it may generate (reserved at admission,
+        so a running request never runs out of KV memory mid-decode)."""
+        total = min(request.num_prompt_tokens + request.params.max_tokens, self.max_len)
+        return -(-total // self.pool.block_size)
+
+    def try_admit(self, request: Request) -> bool:
+        """Take the cached prefix and reserve the request's blocks; False (nothing held) if memory is short."""
+        seq = request.seq
+        hit = self.prefix_cache.acquire(seq)
+        table = list(hit.blocks)
+        partial = hit.num_tokens % self.pool.block_size
+        try:
+            fresh = self.pool.allocator.allocate(self.blocks_needed(request) - len(table) + (1 if partial else 0))
+        except OutOfBlocksError:
+            seq.block_table = table
+            self.prefix_cache.release(seq)
+            seq.block_table = []
+            return False
+        if partial:
+            # The last hit block is shared and only partly ours: copy its valid slots before writing.
+            shared, own = table[-1], fresh.pop()
+            offsets = torch.arange(partial, device=self.pool.device)
+            self.pool.copy_slots(shared * self.pool.block_size + offsets, own * self.pool.block_size + offsets)
+            self.pool.allocator.decref([shared])
+            table[-1] = own
+        seq.block_table = table + fresh
+        request.metrics.prefix_hit_tokens = hit.num_tokens
+        return True
+
+    def run(self, request: Request) -> PrefillResult:
+        seq, prompt = request.seq, request.prompt
+        n = len(prompt.token_ids)
+        hit = request.metrics.prefix_hit_tokens
+        entries: dict[int, SegmentEntry] = {}
+        available = []
+        for index, span in enumerate(prompt.segments):
+            if span.end > hit and span.start < n - 1:
+                tokens = prompt.segment_tokens(span)
+                entry = self.store.lookup(seq.namespace, tokens)
+                if entry is not None:
+                    entries[index] = entry
+                    available.append((span.start, span.end, index))
+                elif tokens not in request.pending_segments:
+                    request.pending_segments.append(tokens)
+        plan = make_plan(n, hit, available)
+        for span in plan.spliced():
+            self._place(seq.block_table, span.start, span.end, entries[span.segment], span.segment_offset)
+
+        policy = make_policy(request.repair.policy)
+        spliced = plan.tokens(SpanKind.SPLICED)
+        budget = budget_tokens(spliced, request.repair.ratio, request.repair.tokens)
+        decision = policy.decide(plan, budget, self.runner.cfg.num_layers)
+        assert set(decision.recompute) <= set(plan.positions(SpanKind.SPLICED))
+        queries = sorted(plan.positions(SpanKind.COMPUTE) + list(decision.recompute))
+        narrowing = None
+        recomputed = len(decision.recompute)
+        if decision.probe_layers:
+            index = {p: i for i, p in enumerate(queries)}
+            candidates = torch.tensor([index[p] for p in decision.recompute], device=self.pool.device)
+            narrowing = Narrowing(decision.probe_layers, candidates, lambda dev: policy.choose(dev, budget))
+            recomputed = min(budget, len(decision.recompute))
+        assert recomputed <= budget or policy.name == "full", f"{policy.name} recomputed {recomputed} > {budget}"
+        logits = self.runner.prefill(seq.block_table, list(prompt.token_ids), queries, narrowing)
+        # KV stays exact (fit for the exact prefix caches) up to the first token that was reused and not fully recomputed.
+        approximate = sorted(set(plan.positions(SpanKind.SPLICED)) - set(decision.recompute if not narrowing else ()))
+        request.exact_until = approximate[0] if approximate else n
+
+        m = request.metrics
+        m.prompt_tokens = n
+        m.segment_hit_tokens = spliced
+        m.computed_tokens = plan.tokens(SpanKind.COMPUTE)
+        m.recomputed_tokens = recomputed
+        return PrefillResult(plan, logits, recomputed)
+
+    def store_segments(self, request: Request, namespace: Hashable) -> None:
+        """Compute each segment the store missed on its own, after the canonical context, and keep it."""
+        context = self.store.context
+        for tokens in request.pending_segments:
+            if self.store.lookup(namespace, tokens) is not None:
+                continue
+            length = len(context) + len(tokens)
+            try:
+                blocks = self.pool.allocator.allocate(-(-length // self.pool.block_size))
+            except OutOfBlocksError:
+                break  # the store is a cache: when running requests hold the memory, it simply misses later
+            self.runner.prefill(blocks, list(context + tokens), list(range(length)), need_logits=False)
+            self.store.insert(namespace, tokens, blocks)
+            request.metrics.segment_store_tokens += length
+        request.pending_segments.clear()
+
+    def _place(self, table: list[int], start: int, end: int, entry: SegmentEntry, offset: int) -> None:
+        """Copy a stored segment's KV (its tokens offset.. ) to positions [start, end) of the request."""
+        device = self.pool.device
+        src_pos = torch.arange(end - start, device=device) + self.store.start_position + offset
+        src = self.pool.slots(entry.blocks, src_pos)
+        dst = self.pool.slots(table, torch.arange(start, end, device=device))
+        move_kv(self.pool, self.runner.cfg, self.runner.freqs, src, dst, start - src_pos)

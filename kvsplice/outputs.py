@@ -1,0 +1,49 @@
+"""What a request returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request accounting. prefix_hit_tokens + segment_hit_tokens + computed_tokens == prompt_tokens."""
+
+    prompt_tokens: int = 0
+    # KV reused exactly from the prefix cache.
+    prefix_hit_tokens: int = 0
+    # KV reused from the segment store: moved to new positions, then repaired.
+    segment_hit_tokens: int = 0
+    # Prompt tokens computed from scratch (the last prompt token always is).
+    computed_tokens: int = 0
+    # Reused segment tokens recomputed by the repair policy on (most) layers.
+    recomputed_tokens: int = 0
+    # Tokens computed outside the prompt to fill the segment store (missed segments, on their own).
+    segment_store_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    queue_s: float = 0.0
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.prefix_hit_tokens + self.segment_hit_tokens
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    # "stop" (EOS or a stop string), "length" (max_tokens or the context), "abort".
+    finish_reason: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Float32 logits [vocab] at the first generated position, when SamplingParams.return_first_logits.
+    first_logits: torch.Tensor | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

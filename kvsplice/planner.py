@@ -1,0 +1,79 @@
+"""The plan of one prefill: which prompt tokens reuse KV exactly, which reuse moved KV, which are computed.
+
+The plan is data: it can be printed, tested and compared without running the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class SpanKind(Enum):
+    # Cached KV valid as is (an exact cached prefix).
+    EXACT = "exact"
+    # Cached KV computed in another context: moved to these positions, then repaired.
+    SPLICED = "spliced"
+    # No KV yet: computed.
+    COMPUTE = "compute"
+
+
+@dataclass(frozen=True)
+class Span:
+    kind: SpanKind
+    start: int
+    end: int
+    # For SPLICED spans: the index of the prompt segment, and where in it the span starts.
+    segment: int | None = None
+    segment_offset: int = 0
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_tokens: int
+    spans: tuple[Span, ...]
+
+    def __post_init__(self) -> None:
+        position = 0
+        for span in self.spans:
+            assert span.start == position and span.end > span.start, f"spans must tile the prompt: {self}"
+            position = span.end
+        assert position == self.num_tokens, f"spans cover {position} of {self.num_tokens} tokens"
+        assert self.spans[-1].kind is SpanKind.COMPUTE, "the last prompt token is always computed"
+
+    def tokens(self, kind: SpanKind) -> int:
+        return sum(len(s) for s in self.spans if s.kind is kind)
+
+    def positions(self, kind: SpanKind) -> list[int]:
+        return [p for s in self.spans if s.kind is kind for p in range(s.start, s.end)]
+
+    def spliced(self) -> list[Span]:
+        return [s for s in self.spans if s.kind is SpanKind.SPLICED]
+
+    def __str__(self) -> str:
+        return " ".join(f"{s.kind.value}[{s.start}:{s.end})" for s in self.spans)
+
+
+def make_plan(num_tokens: int, prefix_hit: int, segments: list[tuple[int, int, int]]) -> Plan:
+    """segments: (start, end, index) of each prompt segment whose KV the store holds, in prompt order.
+
+    The exact prefix wins where it overlaps a segment; a segment is cut short before the last token.
+    """
+    assert 0 <= prefix_hit < num_tokens, f"prefix hit {prefix_hit} of {num_tokens} tokens"
+    spans: list[Span] = []
+    if prefix_hit:
+        spans.append(Span(SpanKind.EXACT, 0, prefix_hit))
+    position = prefix_hit
+    for start, end, index in segments:
+        lo, hi = max(start, position), min(end, num_tokens - 1)
+        if lo >= hi:
+            continue
+        if lo > position:
+            spans.append(Span(SpanKind.COMPUTE, position, lo))
+        spans.append(Span(SpanKind.SPLICED, lo, hi, segment=index, segment_offset=lo - start))
+        position = hi
+    spans.append(Span(SpanKind.COMPUTE, position, num_tokens))
+    return Plan(num_tokens, tuple(spans))
