@@ -63,11 +63,8 @@ class BlockHasher:
         self._tokens = struct.Struct(f"<{block_size}q")
 
     def __call__(self, parent: bytes, token_ids: list[int], extra: bytes) -> bytes:
-        assert len(token_ids) == self.block_size, f"only full blocks are hashed, got {len(token_ids)} tokens"
-        h = hashlib.sha256(parent)
-        h.update(self._tokens.pack(*token_ids))
-        h.update(extra)
-        return h.digest()
+        # struct.pack raises if token_ids is not exactly one full block.
+        return hashlib.sha256(parent + self._tokens.pack(*token_ids) + extra).digest()
 
 
 # vLLM passes extra_keys=None for blocks without any; the encoding of None stands for that.
@@ -158,13 +155,16 @@ class HashChainCache(PrefixCache):
         self.allocator.decref(reversed(seq.block_table))
 
     def _block_hash(self, state: _RequestBlocks, token_ids: list[int], j: int) -> bytes:
-        while len(state.hashes) <= j:
-            i = len(state.hashes)
-            parent = state.hashes[-1] if state.hashes else SEED_HASH
-            extra = state.namespace_key if i == 0 else _NO_EXTRA_KEYS
-            tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
-            state.hashes.append(self._hasher(parent, tokens, extra))
-        return state.hashes[j]
+        """Hash of block j, extending the request's chain as far as needed (blocks hash lazily:
+        vLLM hashes all full blocks at arrival, but a lookup stops at the first miss anyway)."""
+        hashes, hasher, size = state.hashes, self._hasher, self.block_size
+        while len(hashes) <= j:
+            i = len(hashes)
+            if i == 0:
+                hashes.append(hasher(SEED_HASH, token_ids[:size], state.namespace_key))
+            else:
+                hashes.append(hasher(hashes[-1], token_ids[i * size : (i + 1) * size], _NO_EXTRA_KEYS))
+        return hashes[j]
 
     def _evict(self, block: int) -> None:
         # Eviction hook: the allocator is handing this free block out again; its content is lost.
