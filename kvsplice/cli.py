@@ -15,7 +15,11 @@ def _generate(args: argparse.Namespace) -> None:
     from kvsplice.engine.engine import Engine
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed_sampling
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed_sampling,
     )
     engine = Engine(EngineConfig.from_args(args))
     request_id = engine.add_request(args.prompt, params)
@@ -28,7 +32,8 @@ def _generate(args: argparse.Namespace) -> None:
                     m = step.output.metrics
                     print(
                         f"\n[{m.prompt_tokens} prompt tokens, {m.generated_tokens} generated, "
-                        f"ttft {m.ttft_s * 1000:.0f} ms, {m.generated_tokens / m.e2e_s:.1f} tokens/s overall]",
+                        f"ttft {m.ttft_s * 1000:.0f} ms, "
+                        f"{m.generated_tokens / m.e2e_s:.1f} tokens/s overall]",
                         file=sys.stderr,
                     )
 
@@ -36,7 +41,9 @@ def _generate(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsplice", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate a continuation of a prompt, streamed to the terminal")
+    gen = commands.add_parser(
+        "generate", help="generate a continuation of a prompt, streamed to the terminal"
+    )
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -21,7 +21,9 @@ def _opt(help_text: str, **kwargs: Any) -> Any:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = _opt("Hugging Face model directory or .gguf file (default: Gemma 3 270M)", default=None)
+    model: str | None = _opt(
+        "Hugging Face model directory or .gguf file (default: Gemma 3 270M)", default=None
+    )
     device: str = _opt("torch device to run on", default="cpu")
     dtype: str = _opt("compute dtype", default="float32")
     kv_dtype: str = _opt("dtype of the stored KV", default="float32")
@@ -30,7 +32,9 @@ class EngineConfig:
     kv_cache_gb: float = _opt("memory for the KV pool, in GiB, allocated up front", default=1.0)
     max_model_len: int | None = _opt("longest prompt + output (default: the model's context)", default=None)
     max_num_seqs: int = _opt("requests running at once (decode batch size)", default=16)
-    max_waiting: int = _opt("requests queued beyond the running ones before new ones are refused", default=256)
+    max_waiting: int = _opt(
+        "requests queued beyond the running ones before new ones are refused", default=256
+    )
     prefix_cache: str = _opt("prefix cache: hash (vLLM), radix (SGLang) or off", default="radix")
     repair: str = _opt("repair policy for reused segments", default="deviation")
     recompute_ratio: float = _opt("repair budget as a fraction of the reused segment tokens", default=0.15)

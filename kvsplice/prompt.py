@@ -27,7 +27,9 @@ class Segment:
         if isinstance(self.content, str):
             if not self.content:
                 raise InvalidRequestError("a Segment's text is empty")
-        elif not self.content or not all(isinstance(t, int) and not isinstance(t, bool) for t in self.content):
+        elif not self.content or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in self.content
+        ):
             raise InvalidRequestError("a Segment's content must be non-empty text or a list of token ids")
 
 
@@ -66,9 +68,11 @@ def parse_prompt(prompt: Prompt, tokenizer: Encoder | None, vocab_size: int) -> 
     elif isinstance(prompt, Sequence) and prompt and all(_is_token(t) for t in prompt):
         parsed = ParsedPrompt(tuple(prompt))  # type: ignore[arg-type]
     elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
-        parsed = _parse_parts(prompt, tokenizer)
+        parsed = _parse_parts(prompt, tokenizer)  # type: ignore[arg-type]
     else:
-        raise InvalidRequestError(f"a prompt must be a string, token ids or a list of parts, got {type(prompt)}")
+        raise InvalidRequestError(
+            f"a prompt must be a string, token ids or a list of parts, got {type(prompt)}"
+        )
     if not parsed.token_ids:
         raise InvalidRequestError("the prompt is empty")
     bad = [t for t in parsed.token_ids if not 0 <= t < vocab_size]
@@ -83,16 +87,18 @@ def _parse_parts(parts: Sequence[Part], tokenizer: Encoder | None) -> ParsedProm
     for part in parts:
         if isinstance(part, Segment):
             content = part.content
-            tokens = _encode(content, tokenizer) if isinstance(content, str) else list(content)
+            tokens = _encode(content, tokenizer) if isinstance(content, str) else [int(t) for t in content]
             if tokens:
                 spans.append(SegmentSpan(len(ids), len(ids) + len(tokens)))
             ids += tokens
         elif isinstance(part, str):
             ids += _encode(part, tokenizer)
         elif isinstance(part, Sequence) and all(_is_token(t) for t in part):
-            ids += list(part)
+            ids += [int(t) for t in part]
         else:
-            raise InvalidRequestError(f"a prompt part must be a string, token ids or a Segment, got {part!r:.80}")
+            raise InvalidRequestError(
+                f"a prompt part must be a string, token ids or a Segment, got {part!r:.80}"
+            )
     return ParsedPrompt(tuple(ids), tuple(spans))
 
 

@@ -29,7 +29,11 @@ class SamplingParams:
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if (
+            not isinstance(self.temperature, int | float)
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")

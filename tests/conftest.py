@@ -20,3 +20,21 @@ def default_model_dir(default_gguf_path: Path) -> Path:
     """The default model converted to a Hugging Face-style directory, in the user's kvsplice cache
     (~25 s the first time, then cached)."""
     return convert_gguf(default_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def llm(default_model_dir: Path):
+    """The default model in kvsplice, prefix caching off, shared by the tests that only read from it."""
+    from kvsplice import LLM
+
+    return LLM(prefix_cache="off", kv_cache_gb=0.5)
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_dir: Path):
+    """transformers' own Gemma 3 on the same weights: the independent reference."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    return model.eval()

@@ -14,13 +14,17 @@ from kvsplice.kv.attention import NO_KEY, attend
 
 def oracle(q, q_pos, k, v, k_pos, scale, window):
     """Loop over every (sequence, query, head): softmax over the visible keys by the definition."""
-    batch, tokens, heads, dim = q.shape
+    batch, tokens, heads, _ = q.shape
     group = heads // k.shape[2]
     out = torch.zeros_like(q, dtype=torch.float64)
     for b in range(batch):
         for t in range(tokens):
             qp = int(q_pos[b, t])
-            visible = [s for s in range(k.shape[1]) if int(k_pos[b, s]) <= qp and (window is None or qp - int(k_pos[b, s]) < window)]
+            visible = [
+                s
+                for s in range(k.shape[1])
+                if int(k_pos[b, s]) <= qp and (window is None or qp - int(k_pos[b, s]) < window)
+            ]
             for h in range(heads):
                 scores = [float(q[b, t, h].double() @ k[b, s, h // group].double()) * scale for s in visible]
                 top = max(scores)
@@ -52,7 +56,11 @@ def test_attend_matches_oracle(seq_len, batch, kv_heads, group, window, data) ->
     tokens = data.draw(st.integers(1, min(lengths)))
     rows = []
     for n in lengths:
-        earlier = data.draw(st.sets(st.integers(0, n - 2), min_size=tokens - 1, max_size=tokens - 1)) if n > 1 else set()
+        earlier = (
+            data.draw(st.sets(st.integers(0, n - 2), min_size=tokens - 1, max_size=tokens - 1))
+            if n > 1
+            else set()
+        )
         rows.append(sorted(earlier | {n - 1}))
     q_pos = torch.tensor(rows)
     q = torch.randn(batch, q_pos.shape[1], kv_heads * group, dim, generator=gen)
@@ -75,4 +83,6 @@ def test_tiling_reads_only_visible_keys_and_matches(monkeypatch) -> None:
         tiled = attend(q[:, sub[0]], sub, k, v, pos, scale=0.5, window=window)
         monkeypatch.undo()
         torch.testing.assert_close(tiled, whole)
-        torch.testing.assert_close(whole, oracle(q[:, sub[0]], sub, k, v, pos, 0.5, window), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            whole, oracle(q[:, sub[0]], sub, k, v, pos, 0.5, window), atol=1e-5, rtol=1e-4
+        )

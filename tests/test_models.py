@@ -94,5 +94,5 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_missing_config_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_model(tmp_path, torch.float32, torch.device("cpu"))

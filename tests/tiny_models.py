@@ -51,7 +51,13 @@ def _config(arch: str) -> tf.PreTrainedConfig:
     raise AssertionError(arch)
 
 
-ARCHITECTURES = ("Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "Gemma3ForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 
 
 def build(arch: str, seed: int = 0) -> tf.PreTrainedModel:

@@ -62,7 +62,9 @@ class SegmentStore:
         return len(self.context)
 
     def lookup(self, namespace: Hashable, tokens: tuple[int, ...]) -> SegmentEntry | None:
-        """The stored entry for these tokens, refreshed as most recently used; valid until the next allocation."""
+        """The stored entry for these tokens, refreshed as most recently used.
+
+        Valid until the next allocation, which may evict it."""
         self.stats.lookups += 1
         entry = self._entries.get((namespace, tokens))
         if entry is not None:

@@ -1,8 +1,8 @@
 """The engine: owns the model, the KV pool and the caches, and advances every request one step at a time.
 
-    step():  batch = scheduler.schedule()
-             logits = prefill of one request  |  batched decode of the running ones
-             sample, append, detokenize, finish; release the finished requests' KV into the caches
+step():  batch = scheduler.schedule()
+         logits = prefill of one request  |  batched decode of the running ones
+         sample, append, detokenize, finish; release the finished requests' KV into the caches
 """
 
 from __future__ import annotations
@@ -49,22 +49,34 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         device = torch.device(config.device)
         self.model_dir = resolve_model_dir(config.model)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir) if (self.model_dir / "tokenizer.json").exists() else None
+        self.tokenizer = (
+            Tokenizer.from_dir(self.model_dir) if (self.model_dir / "tokenizer.json").exists() else None
+        )
         self.model = load_model(self.model_dir, config.torch_dtype, device)
         self.model_config = self.model.cfg
         self.pool = KVPool(
-            self.model_config, int(config.kv_cache_gb * 2**30), config.block_size, config.torch_kv_dtype, device
+            self.model_config,
+            int(config.kv_cache_gb * 2**30),
+            config.block_size,
+            config.torch_kv_dtype,
+            device,
         )
         self.max_model_len = min(
-            self.model_config.max_position_embeddings, config.max_model_len or 2**62, self.pool.capacity_tokens
+            self.model_config.max_position_embeddings,
+            config.max_model_len or 2**62,
+            self.pool.capacity_tokens,
         )
         self.runner = ModelRunner(self.model, self.pool)
         self.prefix_cache = make_prefix_cache(config.prefix_cache, self.pool.allocator)
         bos = self.tokenizer.bos_token_id if self.tokenizer and self.tokenizer.add_bos else None
         self.segment_store = SegmentStore(self.pool.allocator, () if bos is None else (bos,))
-        self.prefiller = Prefiller(self.runner, self.pool, self.prefix_cache, self.segment_store, self.max_model_len)
+        self.prefiller = Prefiller(
+            self.runner, self.pool, self.prefix_cache, self.segment_store, self.max_model_len
+        )
         self.scheduler = Scheduler(config.max_num_seqs, self.prefiller.try_admit)
-        self.eos_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids)
+        self.eos_ids = frozenset(
+            self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
+        )
         self._requests: dict[str, Request] = {}
         self._decoders: dict[str, IncrementalDecoder] = {}
         self._emitted: dict[str, int] = {}
@@ -111,7 +123,8 @@ class Engine:
         )
         if self.prefiller.blocks_needed(request) > self.pool.num_blocks:
             raise PromptTooLongError(
-                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs more KV than the pool holds "
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs more KV "
+                f"than the pool holds "
                 f"({self.pool.capacity_tokens} tokens); raise kv_cache_gb or lower max_tokens"
             )
         self._requests[request_id] = request
@@ -161,7 +174,9 @@ class Engine:
             return outputs
         if not batch.decode:
             return []
-        items = [DecodeItem(r.seq.block_table, r.seq.token_ids[-1], len(r.seq.token_ids) - 1) for r in batch.decode]
+        items = [
+            DecodeItem(r.seq.block_table, r.seq.token_ids[-1], len(r.seq.token_ids) - 1) for r in batch.decode
+        ]
         logits = self.runner.decode(items)
         outputs = []
         for request, row in zip(batch.decode, logits, strict=True):

@@ -47,13 +47,17 @@ class Prefiller:
         return -(-total // self.pool.block_size)
 
     def try_admit(self, request: Request) -> bool:
-        """Take the cached prefix and reserve the request's blocks; False (nothing held) if memory is short."""
+        """Take the cached prefix and reserve the request's blocks.
+
+        False, holding nothing, if memory is short."""
         seq = request.seq
         hit = self.prefix_cache.acquire(seq)
         table = list(hit.blocks)
         partial = hit.num_tokens % self.pool.block_size
         try:
-            fresh = self.pool.allocator.allocate(self.blocks_needed(request) - len(table) + (1 if partial else 0))
+            fresh = self.pool.allocator.allocate(
+                self.blocks_needed(request) - len(table) + (1 if partial else 0)
+            )
         except OutOfBlocksError:
             seq.block_table = table
             self.prefix_cache.release(seq)
@@ -63,7 +67,9 @@ class Prefiller:
             # The last hit block is shared and only partly ours: copy its valid slots before writing.
             shared, own = table[-1], fresh.pop()
             offsets = torch.arange(partial, device=self.pool.device)
-            self.pool.copy_slots(shared * self.pool.block_size + offsets, own * self.pool.block_size + offsets)
+            self.pool.copy_slots(
+                shared * self.pool.block_size + offsets, own * self.pool.block_size + offsets
+            )
             self.pool.allocator.decref([shared])
             table[-1] = own
         seq.block_table = table + fresh
@@ -86,8 +92,10 @@ class Prefiller:
                 elif tokens not in request.pending_segments:
                     request.pending_segments.append(tokens)
         plan = make_plan(n, hit, available)
-        for span in plan.spliced():
-            self._place(seq.block_table, span.start, span.end, entries[span.segment], span.segment_offset)
+        for spliced_span in plan.spliced():
+            assert spliced_span.segment is not None
+            entry = entries[spliced_span.segment]
+            self._place(seq.block_table, spliced_span.start, spliced_span.end, entry, spliced_span.segment_offset)
 
         policy = make_policy(request.repair.policy)
         spliced = plan.tokens(SpanKind.SPLICED)
@@ -98,14 +106,19 @@ class Prefiller:
         narrowing = None
         recomputed = len(decision.recompute)
         if decision.probe_layers:
-            index = {p: i for i, p in enumerate(queries)}
-            candidates = torch.tensor([index[p] for p in decision.recompute], device=self.pool.device)
+            query_index = {p: i for i, p in enumerate(queries)}
+            candidates = torch.tensor([query_index[p] for p in decision.recompute], device=self.pool.device)
             narrowing = Narrowing(decision.probe_layers, candidates, lambda dev: policy.choose(dev, budget))
             recomputed = min(budget, len(decision.recompute))
-        assert recomputed <= budget or policy.name == "full", f"{policy.name} recomputed {recomputed} > {budget}"
+        assert recomputed <= budget or policy.name == "full", (
+            f"{policy.name} recomputed {recomputed} > {budget}"
+        )
         logits = self.runner.prefill(seq.block_table, list(prompt.token_ids), queries, narrowing)
-        # KV stays exact (fit for the exact prefix caches) up to the first token that was reused and not fully recomputed.
-        approximate = sorted(set(plan.positions(SpanKind.SPLICED)) - set(decision.recompute if not narrowing else ()))
+        assert logits is not None
+        # KV stays exact (fit for the exact prefix caches) up to the first reused token not fully recomputed.
+        approximate = sorted(
+            set(plan.positions(SpanKind.SPLICED)) - set(decision.recompute if not narrowing else ())
+        )
         request.exact_until = approximate[0] if approximate else n
 
         m = request.metrics

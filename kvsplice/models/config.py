@@ -20,7 +20,8 @@ SLIDING = "sliding_attention"
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """RoPE of one layer type. `scaling` is None or a dict with `rope_type` ('linear' | 'llama3') and its fields."""
+    """RoPE of one layer type. `scaling`: None, or the items of a dict with `rope_type`
+    ('linear' | 'llama3') and its fields."""
 
     theta: float
     scaling: tuple[tuple[str, Any], ...] | None = None
@@ -109,7 +110,8 @@ class ModelConfig:
                 hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_gemma3)),
                 attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                attn_scale=float(raw.get("query_pre_attn_scalar", head_dim) if is_gemma3 else head_dim) ** -0.5,
+                attn_scale=float(raw.get("query_pre_attn_scalar", head_dim) if is_gemma3 else head_dim)
+                ** -0.5,
                 final_logit_softcapping=raw.get("final_logit_softcapping"),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,

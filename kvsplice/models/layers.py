@@ -89,6 +89,16 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(batch, tokens, self.num_heads * self.head_dim))
 
 
+class Backbone(nn.Module):
+    """The `model.` part of a Hugging Face causal LM checkpoint."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], norm: RMSNorm) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
 class CausalLM(nn.Module):
     """Embedding, a stack of decoder layers, final norm and LM head; the runner drives the layer loop.
 
@@ -98,10 +108,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: list[nn.Module], norm: RMSNorm, embed_scale: float) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(layers)
-        self.model.norm = norm
+        self.model = Backbone(cfg, layers, norm)
         self.embed_scale = embed_scale
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

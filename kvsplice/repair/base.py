@@ -30,7 +30,8 @@ class RepairPolicy(ABC):
         """Which of plan's spliced positions to recompute, at most `budget` of them (after probing)."""
 
     def choose(self, deviation: dict[int, torch.Tensor], budget: int) -> torch.Tensor:
-        """For probing policies: deviation[layer]: [C] per candidate -> indices of at most `budget` candidates."""
+        """For probing policies: deviation[layer]: [C], one per candidate -> indices of at most
+        `budget` candidates."""
         raise NotImplementedError(f"{self.name} does not probe")
 
 
