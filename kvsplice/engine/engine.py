@@ -198,20 +198,21 @@ class Engine:
         request.output_ids.append(token)
         request.seq.token_ids.append(token)
         params = request.params
-        if token in self.eos_ids and not params.ignore_eos:
+        decoder = self._decoders[request.request_id]
+        is_eos = token in self.eos_ids and not params.ignore_eos
+        if decoder is not None and not is_eos:
+            request.text += decoder.push(token)
+        if is_eos:
             request.finish_reason = "stop"
-        else:
-            decoder = self._decoders[request.request_id]
-            request.text += decoder.push(token) if decoder is not None else ""
-            for stop in params.stop:
-                cut = request.text.find(stop)
-                if cut != -1:
-                    request.text = request.text[:cut]
-                    request.finish_reason = "stop"
-        if request.finish_reason is None and (
-            len(request.output_ids) >= params.max_tokens or len(request.seq.token_ids) >= self.max_model_len
-        ):
+        elif len(request.output_ids) >= params.max_tokens or len(request.seq.token_ids) >= self.max_model_len:
             request.finish_reason = "length"
+        if request.finish_reason is not None and decoder is not None:
+            # Bytes of a character still incomplete when generation ends.
+            request.text += decoder.flush()
+        cuts = [cut for stop in params.stop if (cut := request.text.find(stop)) != -1]
+        if cuts:
+            request.text = request.text[: min(cuts)]
+            request.finish_reason = "stop"
         # Text that might be the start of a stop string is held back until it is decided.
         text = request.text
         hold = 0 if request.finish_reason else max((_overlap(text, s) for s in params.stop), default=0)

@@ -149,5 +149,6 @@ class Prefiller:
         device = self.pool.device
         src_pos = torch.arange(end - start, device=device) + self.store.start_position + offset
         src = self.pool.slots(entry.blocks, src_pos)
-        dst = self.pool.slots(table, torch.arange(start, end, device=device))
-        move_kv(self.pool, self.runner.cfg, self.runner.freqs, src, dst, start - src_pos)
+        dst_pos = torch.arange(start, end, device=device)
+        dst = self.pool.slots(table, dst_pos)
+        move_kv(self.pool, self.runner.cfg, self.runner.freqs, src, dst, dst_pos - src_pos)
