@@ -23,6 +23,8 @@ class RequestMetrics:
     # Tokens computed outside the prompt to fill the segment store (missed segments, on their own).
     segment_store_tokens: int = 0
     generated_tokens: int = 0
+    # Estimated FLOPs of this request's prefill (not counting segment-store fills).
+    prefill_flops: float = 0.0
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     queue_s: float = 0.0

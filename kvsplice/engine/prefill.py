@@ -19,7 +19,7 @@ from kvsplice.engine.runner import ModelRunner, Narrowing
 from kvsplice.errors import OutOfBlocksError
 from kvsplice.kv.pool import KVPool
 from kvsplice.kv.splice import move_kv
-from kvsplice.planner import Plan, SpanKind, make_plan
+from kvsplice.planner import Plan, Span, SpanKind, make_plan
 from kvsplice.repair import budget_tokens, make_policy
 
 
@@ -95,7 +95,7 @@ class Prefiller:
         for spliced_span in plan.spliced():
             assert spliced_span.segment is not None
             entry = entries[spliced_span.segment]
-            self._place(seq.block_table, spliced_span.start, spliced_span.end, entry, spliced_span.segment_offset)
+            self._place(seq.block_table, spliced_span, entry)
 
         policy = make_policy(request.repair.policy)
         spliced = plan.tokens(SpanKind.SPLICED)
@@ -126,6 +126,7 @@ class Prefiller:
         m.segment_hit_tokens = spliced
         m.computed_tokens = plan.tokens(SpanKind.COMPUTE)
         m.recomputed_tokens = recomputed
+        m.prefill_flops = self.runner.last_flops
         return PrefillResult(plan, logits, recomputed)
 
     def store_segments(self, request: Request, namespace: Hashable) -> None:
@@ -144,9 +145,10 @@ class Prefiller:
             request.metrics.segment_store_tokens += length
         request.pending_segments.clear()
 
-    def _place(self, table: list[int], start: int, end: int, entry: SegmentEntry, offset: int) -> None:
-        """Copy a stored segment's KV (its tokens offset.. ) to positions [start, end) of the request."""
+    def _place(self, table: list[int], span: Span, entry: SegmentEntry) -> None:
+        """Move a stored segment's KV (from its token span.segment_offset on) to the span's positions."""
         device = self.pool.device
+        start, end, offset = span.start, span.end, span.segment_offset
         src_pos = torch.arange(end - start, device=device) + self.store.start_position + offset
         src = self.pool.slots(entry.blocks, src_pos)
         dst_pos = torch.arange(start, end, device=device)

@@ -46,6 +46,11 @@ class ModelRunner:
         self.cfg = model.cfg
         self.pool = pool
         self.device = pool.device
+        # Multiply-adds of one token through one layer's projections and MLP, for FLOP accounting.
+        first = model.layers[0]
+        self._layer_macs = sum(p.numel() for name, p in first.named_parameters() if p.dim() == 2)
+        # Estimated FLOPs of the last forward pass (projections, MLP, attention scores and mixing, LM head).
+        self.last_flops = 0.0
         self.freqs = {
             kind: rope.inv_freq(spec, self.cfg.head_dim).to(self.device)
             for kind, spec in self.cfg.rope.items()
@@ -112,7 +117,9 @@ class ModelRunner:
             for probed in narrowing.probe_layers:
                 ctx.probe[probed] = narrowing.candidates
             last_probe = max(narrowing.probe_layers)
+        self.last_flops = 0.0
         for i, layer in enumerate(self.model.layers):
+            self.last_flops += self._flops(ctx.positions, i)
             h = layer(h, ctx)
             if i == last_probe:
                 assert narrowing is not None
@@ -123,4 +130,13 @@ class ModelRunner:
                 index = keep.nonzero().squeeze(1)
                 h = h[:, index]
                 ctx.keep(index)
-        return self.model.logits(h[:, -1]) if need_logits else None  # [B, vocab]
+        if not need_logits:
+            return None
+        self.last_flops += 2.0 * h.shape[0] * self.cfg.hidden_size * self.cfg.vocab_size
+        return self.model.logits(h[:, -1])  # [B, vocab]
+
+    def _flops(self, positions: torch.Tensor, layer: int) -> float:
+        window = self.cfg.window(layer)
+        visible = positions + 1 if window is None else (positions + 1).clamp(max=window)
+        attention = 4.0 * self.cfg.num_heads * self.cfg.head_dim * float(visible.sum())
+        return 2.0 * positions.numel() * self._layer_macs + attention

@@ -3,6 +3,7 @@ so that weights stored in the compute dtype stay memory-mapped and peak memory s
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
@@ -17,7 +18,21 @@ from kvsplice.models.registry import build_model
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+# Engines in one process share a model's weights (they are never written): a benchmark can hold one
+# engine per prefix-cache type for the price of one copy of the weights.
+_LOADED: weakref.WeakValueDictionary[tuple[str, torch.dtype, str], CausalLM] = weakref.WeakValueDictionary()
+
+
 def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    key = (str(path.resolve()), dtype, str(device))
+    model = _LOADED.get(key)
+    if model is None:
+        model = _load(path, dtype, device)
+        _LOADED[key] = model
+    return model
+
+
+def _load(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
     cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = build_model(cfg)
