@@ -38,3 +38,13 @@ def hf_model(default_model_dir: Path):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_torch_threads():
+    """Engines may set torch's (process-wide) thread count; give each test module the default back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

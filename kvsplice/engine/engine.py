@@ -118,7 +118,6 @@ class Engine:
             params=params,
             repair=settings,
             seq=CacheSeq(request_id, namespace, list(parsed.token_ids)),
-            exact_until=n,
             generator=generator,
         )
         if self.prefiller.blocks_needed(request) > self.pool.num_blocks:
@@ -187,7 +186,8 @@ class Engine:
 
     def _computed(self, request: Request) -> None:
         # The prefix caches see only the exact part of the request's KV.
-        request.seq.num_computed = min(request.kv_len, request.exact_until)
+        exact = request.exact_until
+        request.seq.num_computed = request.kv_len if exact is None else min(request.kv_len, exact)
         self.prefix_cache.on_computed(request.seq)
 
     def _append(self, request: Request, logits: torch.Tensor) -> StepOutput:

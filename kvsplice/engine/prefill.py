@@ -119,7 +119,7 @@ class Prefiller:
         approximate = sorted(
             set(plan.positions(SpanKind.SPLICED)) - set(decision.recompute if not narrowing else ())
         )
-        request.exact_until = approximate[0] if approximate else n
+        request.exact_until = approximate[0] if approximate else None
 
         m = request.metrics
         m.prompt_tokens = n

@@ -35,13 +35,13 @@ class Request:
     repair: RepairSettings
     # What the prefix cache sees; token_ids grows with the generated tokens.
     seq: CacheSeq
-    # Tokens whose KV may enter the exact prefix caches: all of them, unless reused KV was spliced in,
-    # after which every later token's KV is approximate.
-    exact_until: int
     generator: torch.Generator | None
     status: Status = Status.WAITING
     # Tokens whose KV is written (the last sampled token never is).
     kv_len: int = 0
+    # The first position whose KV is approximate (reused KV spliced in and not fully recomputed: it and
+    # every later token's KV); None while all KV is exact. Only exact KV may enter the prefix caches.
+    exact_until: int | None = None
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
