@@ -87,18 +87,18 @@ def test_cached_engine_equals_uncached(model_dir: Path, cache: str) -> None:
 def test_multi_turn_conversation_hits_its_history(model_dir: Path) -> None:
     llm = _engine(model_dir, "radix", 400)
     prompt = list(range(1, 30))
-    for turn in range(3):
+    previous_kv = 0
+    for _ in range(3):
         out = llm.generate([prompt], GREEDY)[0]
-        if turn:
-            # Everything but the new user tokens was computed before (the last generated token has no KV).
-            assert out.metrics.prefix_hit_tokens == previous_kv
+        # Everything but the new user tokens was computed before (the last generated token has no KV).
+        assert out.metrics.prefix_hit_tokens == previous_kv
         previous_kv = len(prompt) + len(out.token_ids) - 1
-        prompt = prompt + out.token_ids + [5, 6, 7]
+        prompt = [*prompt, *out.token_ids, 5, 6, 7]
 
 
 def test_engine_totals_count_queries_and_hits_in_tokens(model_dir: Path) -> None:
     llm = _engine(model_dir, "hash", 400)
-    prompts = [list(range(1, 40)), list(range(1, 40)) + [9, 9], list(range(3, 20))]
+    prompts = [list(range(1, 40)), [*range(1, 40), 9, 9], list(range(3, 20))]
     outs = [llm.generate([p], GREEDY)[0] for p in prompts]
     stats = llm.engine.prefix_cache.stats
     assert stats.queries == sum(len(p) for p in prompts)
