@@ -1,0 +1,89 @@
+"""The plan and the repair policies are plain data and functions: tested without a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvsplice.planner import SpanKind, make_plan
+from kvsplice.repair import budget_tokens, make_policy
+
+
+@st.composite
+def prompts(draw):
+    n = draw(st.integers(2, 60))
+    cuts = sorted(draw(st.sets(st.integers(0, n), max_size=10)))
+    segments = []
+    for i in range(0, len(cuts) - 1, 2):
+        if cuts[i] < cuts[i + 1]:
+            segments.append((cuts[i], cuts[i + 1], len(segments)))
+    prefix = draw(st.integers(0, n - 1))
+    return n, prefix, segments
+
+
+@given(prompts())
+def test_plan_classifies_every_position_like_the_oracle(case) -> None:
+    n, prefix, segments = case
+    plan = make_plan(n, prefix, segments)
+
+    def oracle(p: int) -> SpanKind:
+        if p < prefix:
+            return SpanKind.EXACT
+        if p == n - 1:
+            return SpanKind.COMPUTE
+        if any(s <= p < e for s, e, _ in segments):
+            return SpanKind.SPLICED
+        return SpanKind.COMPUTE
+
+    kinds = {p: s.kind for s in plan.spans for p in range(s.start, s.end)}
+    assert [kinds[p] for p in range(n)] == [oracle(p) for p in range(n)]
+    assert sum(plan.tokens(k) for k in SpanKind) == n
+    for span in plan.spliced():
+        start, end, index = segments[span.segment]
+        assert start + span.segment_offset == span.start and span.end <= end and index == span.segment
+
+
+def test_plan_prints_its_spans() -> None:
+    plan = make_plan(20, 4, [(2, 8, 0), (10, 20, 1)])
+    assert str(plan) == "exact[0:4) spliced[4:8) compute[8:10) spliced[10:19) compute[19:20)"
+
+
+@given(prompts(), st.floats(0, 1), st.sampled_from(["none", "boundary", "deviation", "full"]))
+def test_policies_choose_spliced_positions_within_budget(case, ratio, name) -> None:
+    n, prefix, segments = case
+    plan = make_plan(n, prefix, segments)
+    spliced = plan.positions(SpanKind.SPLICED)
+    budget = budget_tokens(len(spliced), ratio, None)
+    policy = make_policy(name)
+    decision = policy.decide(plan, budget, num_layers=4)
+    assert set(decision.recompute) <= set(spliced)
+    assert list(decision.recompute) == sorted(set(decision.recompute))
+    if name == "full":
+        assert list(decision.recompute) == spliced
+    elif decision.probe_layers:
+        deviation = {0: torch.rand(len(decision.recompute))}
+        chosen = policy.choose(deviation, budget)
+        assert len(chosen) == budget and chosen.tolist() == sorted(set(chosen.tolist()))
+    else:
+        assert len(decision.recompute) <= budget
+
+
+def test_boundary_takes_the_first_tokens_of_each_segment() -> None:
+    plan = make_plan(30, 0, [(1, 11, 0), (11, 21, 1)])
+    decision = make_policy("boundary").decide(plan, 5, num_layers=4)
+    assert decision.recompute == (1, 2, 3, 11, 12)
+
+
+def test_deviation_keeps_the_most_deviating_tokens() -> None:
+    policy = make_policy("deviation")
+    deviation = {0: torch.tensor([0.1, 5.0, 0.2, 3.0]), 1: torch.tensor([0.0, 0.0, 4.0, 0.0])}
+    assert policy.choose(deviation, 2).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "spliced, ratio, tokens, expected", [(100, 0.15, None, 15), (100, 0.15, 7, 7), (5, 0.5, 9, 5)]
+)
+def test_budget(spliced: int, ratio: float, tokens: int | None, expected: int) -> None:
+    assert budget_tokens(spliced, ratio, tokens) == expected

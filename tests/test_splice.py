@@ -1,0 +1,214 @@
+"""Splicing reused segments: exactness where it must be exact, accounting, and the cache interplay.
+
+Tiny random-weight models of several architectures (Gemma 3 with a 24-token window shorter than the
+segments, Llama with llama3 RoPE scaling, Qwen2 with windows on some layers) and token-id prompts.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvsplice import LLM, SamplingParams, Segment
+from kvsplice.kv import rope
+from kvsplice.models.config import RopeSpec
+from tests import tiny_models
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, return_first_logits=True)
+ARCHS = ["Gemma3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp(request.param)
+    tiny_models.save(request.param, directory)
+    return directory
+
+
+def _llm(model_dir: Path, **kwargs) -> LLM:
+    kwargs = {"block_size": 8, "kv_cache_gb": 0.01, "num_threads": 1, **kwargs}
+    return LLM(model=str(model_dir), **kwargs)
+
+
+rng = random.Random(0)
+SYSTEM = [rng.randrange(1, 320) for _ in range(11)]
+DOCS = [[rng.randrange(1, 320) for _ in range(rng.randint(28, 45))] for _ in range(4)]
+QUESTION = [rng.randrange(1, 320) for _ in range(9)]
+
+
+def _parts(order: list[int], segments: bool = True) -> list:
+    docs = [Segment(DOCS[i]) if segments else DOCS[i] for i in order]
+    return [SYSTEM, *docs, QUESTION]
+
+
+def _warm(llm: LLM) -> None:
+    """Put every document in the segment store (computed on its own)."""
+    llm.generate([_parts([0, 1, 2, 3])], GREEDY)
+
+
+def test_full_repair_equals_a_full_prefill(model_dir: Path) -> None:
+    llm = _llm(model_dir, prefix_cache="radix", repair="full")
+    reference = _llm(model_dir, prefix_cache="off")
+    _warm(llm)
+    for order in ([2, 0, 3, 1], [1, 3], [3, 2, 1, 0]):
+        got = llm.generate([_parts(order)], GREEDY)[0]
+        want = reference.generate([_parts(order, segments=False)], GREEDY)[0]
+        assert got.metrics.segment_hit_tokens > 0
+        torch.testing.assert_close(got.first_logits, want.first_logits, atol=1e-4, rtol=1e-4)
+        assert got.token_ids == want.token_ids
+
+
+def test_segment_at_its_canonical_place_equals_the_prefix_cached_request(model_dir: Path) -> None:
+    """With no BOS the canonical context is empty: a segment opening the prompt sits exactly where it was
+    computed, after the same (empty) context, so naive reuse is exact there."""
+    spliced = _llm(model_dir, prefix_cache="off", repair="none")
+    prefixed = _llm(model_dir, prefix_cache="radix")
+    spliced.generate([[Segment(DOCS[0]), [7]]], GREEDY)
+    prefixed.generate([[*DOCS[0], 7]], GREEDY)
+    got = spliced.generate([[Segment(DOCS[0]), QUESTION]], GREEDY)[0]
+    want = prefixed.generate([[*DOCS[0], *QUESTION]], GREEDY)[0]
+    assert got.metrics.segment_hit_tokens == len(DOCS[0]) and want.metrics.prefix_hit_tokens == len(DOCS[0])
+    torch.testing.assert_close(got.first_logits, want.first_logits, atol=1e-4, rtol=1e-4)
+    assert got.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize(
+    "policy, ratios", [("none", [0.0]), ("boundary", [0.1, 0.3]), ("deviation", [0.1, 0.3])]
+)
+def test_metrics_add_up_and_recompute_stays_in_budget(
+    model_dir: Path, policy: str, ratios: list[float]
+) -> None:
+    llm = _llm(model_dir, prefix_cache="radix", repair=policy)
+    _warm(llm)
+    for ratio in ratios:
+        out = llm.generate([_parts([3, 1, 0, 2])], GREEDY, recompute_ratio=ratio)[0]
+        m = out.metrics
+        assert m.prefix_hit_tokens + m.segment_hit_tokens + m.computed_tokens == m.prompt_tokens
+        # The system prompt is an exact prefix hit from the warm-up request (and so are reused tokens
+        # that an earlier request recomputed before any approximate KV), the documents are spliced.
+        assert m.prefix_hit_tokens >= len(SYSTEM) and m.computed_tokens == len(QUESTION)
+        assert m.prefix_hit_tokens + m.segment_hit_tokens == len(SYSTEM) + sum(len(d) for d in DOCS)
+        assert m.recomputed_tokens == round(ratio * m.segment_hit_tokens)
+        absolute = llm.generate([_parts([2, 3, 1, 0])], GREEDY, recompute_tokens=5)[0]
+        assert absolute.metrics.recomputed_tokens == (0 if policy == "none" else 5)
+
+
+def test_reuse_continues_past_a_missing_segment(model_dir: Path) -> None:
+    llm = _llm(model_dir, prefix_cache="off")
+    llm.generate([[Segment(DOCS[0]), Segment(DOCS[2]), [5]]], GREEDY)
+    out = llm.generate([[SYSTEM, Segment(DOCS[2]), Segment(DOCS[1]), Segment(DOCS[0]), QUESTION]], GREEDY)[0]
+    assert out.metrics.segment_hit_tokens == len(DOCS[0]) + len(DOCS[2])
+    assert out.metrics.computed_tokens == len(SYSTEM) + len(DOCS[1]) + len(QUESTION)
+    # The missed segment was stored afterwards: a third request reuses all three.
+    again = llm.generate([[SYSTEM, Segment(DOCS[1]), Segment(DOCS[0]), Segment(DOCS[2]), QUESTION]], GREEDY)[
+        0
+    ]
+    assert again.metrics.segment_hit_tokens == len(DOCS[0]) + len(DOCS[1]) + len(DOCS[2])
+
+
+def test_exact_prefix_and_segments_work_together(model_dir: Path) -> None:
+    llm = _llm(model_dir, prefix_cache="radix", repair="full")
+    reference = _llm(model_dir, prefix_cache="off")
+    # Documents into the segment store, under a prefix no later request shares.
+    llm.generate([[[3], *(Segment(d) for d in DOCS), [5]]], GREEDY)
+    # A cached prefix that ends 10 tokens into DOCS[1]; then the same prefix with documents after it:
+    # the prefix is exact, the rest of DOCS[1] and DOCS[3] are spliced.
+    first = llm.generate([[SYSTEM, DOCS[0], DOCS[1][:10], [1, 2, 3]]], GREEDY)[0]
+    assert first.metrics.segment_hit_tokens == 0
+    out = llm.generate([[SYSTEM, DOCS[0], Segment(DOCS[1]), Segment(DOCS[3]), QUESTION]], GREEDY)[0]
+    want = reference.generate([[SYSTEM, DOCS[0], DOCS[1], DOCS[3], QUESTION]], GREEDY)[0]
+    m = out.metrics
+    assert m.prefix_hit_tokens == len(SYSTEM) + len(DOCS[0]) + 10
+    # The segment straddling the end of the cached prefix is spliced from its 11th token on.
+    assert m.segment_hit_tokens == len(DOCS[1]) - 10 + len(DOCS[3])
+    torch.testing.assert_close(out.first_logits, want.first_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_approximate_kv_never_enters_the_prefix_cache(model_dir: Path) -> None:
+    llm = _llm(model_dir, prefix_cache="radix", repair="none")
+    _warm(llm)
+    spliced = llm.generate([_parts([1, 0])], GREEDY)[0]
+    assert spliced.metrics.segment_hit_tokens > 0
+    plain = llm.generate([_parts([1, 0], segments=False)], GREEDY)[0]
+    # Only the system prompt before the first spliced segment was exact, hence cached.
+    assert plain.metrics.prefix_hit_tokens == len(SYSTEM)
+
+
+def test_cache_salt_isolates_segments(model_dir: Path) -> None:
+    llm = _llm(model_dir, prefix_cache="off")
+    llm.generate([_parts([0, 1])], GREEDY, cache_salt="a")
+    other = llm.generate([_parts([1, 0])], GREEDY, cache_salt="b")[0]
+    same = llm.generate([_parts([1, 0])], GREEDY, cache_salt="a")[0]
+    assert other.metrics.segment_hit_tokens == 0
+    assert same.metrics.segment_hit_tokens == len(DOCS[0]) + len(DOCS[1])
+
+
+def test_segment_store_is_evicted_under_the_budget_and_stays_correct(model_dir: Path) -> None:
+    cfg = tiny_models.COMMON
+    block_bytes = cfg["num_hidden_layers"] * 2 * 8 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    # 30 blocks of 8 tokens: one request and a few stored segments at most.
+    llm = _llm(model_dir, prefix_cache="radix", repair="full", kv_cache_gb=30 * block_bytes / 2**30)
+    reference = _llm(model_dir, prefix_cache="off")
+    for order in ([0, 1], [2, 3], [1, 2], [3, 0], [0, 2]):
+        got = llm.generate([_parts(order)], GREEDY)[0]
+        want = reference.generate([_parts(order, segments=False)], GREEDY)[0]
+        torch.testing.assert_close(got.first_logits, want.first_logits, atol=1e-4, rtol=1e-4)
+        llm.engine.pool.allocator.check_invariants()
+    assert llm.engine.segment_store.stats.evictions > 0
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        RopeSpec(10000.0),
+        RopeSpec(1_000_000.0),
+        RopeSpec(10000.0, (("rope_type", "linear"), ("factor", 8.0))),
+        RopeSpec(
+            500000.0,
+            (
+                ("rope_type", "llama3"),
+                ("factor", 8.0),
+                ("low_freq_factor", 1.0),
+                ("high_freq_factor", 4.0),
+                ("original_max_position_embeddings", 8192),
+            ),
+        ),
+    ],
+)
+def test_moving_keys_equals_encoding_them_at_the_new_position(spec: RopeSpec) -> None:
+    freq = rope.inv_freq(spec, 64)
+    keys = torch.randn(50, 2, 64, generator=torch.Generator().manual_seed(0))
+    old = torch.randint(0, 5000, (50,))
+    new = torch.randint(0, 5000, (50,))
+    at_old = rope.apply(keys[None], *(t[None] for t in rope.cos_sin(old, freq)))[0]
+    at_new = rope.apply(keys[None], *(t[None] for t in rope.cos_sin(new, freq)))[0]
+    # float32 angles at positions of a few thousand carry ~1e-3 rad of rounding either way.
+    torch.testing.assert_close(rope.rotate_by(at_old, new - old, freq), at_new, atol=5e-3, rtol=0)
+
+
+def test_moved_first_layer_keys_equal_keys_computed_at_the_new_positions(model_dir: Path) -> None:
+    """First-layer keys depend only on the token and its position, so a spliced segment's moved
+    keys must equal those of a full prefill at the new positions, layer type by layer type."""
+    llm = _llm(model_dir, prefix_cache="off", repair="none")
+    _warm(llm)
+    engine = llm.engine
+    captured = {}
+    place = engine.prefiller._place
+
+    def spy(table, span, entry):
+        place(table, span, entry)
+        captured[span.start] = engine.pool.slots(table, torch.arange(span.start, span.end))
+
+    engine.prefiller._place = spy
+    llm.generate([_parts([2, 0])], SamplingParams(max_tokens=1))
+    moved = {start: engine.pool.k[0, slots].clone() for start, slots in captured.items()}
+    table = engine.pool.allocator.allocate(20)
+    tokens = [*SYSTEM, *DOCS[2], *DOCS[0], *QUESTION]
+    engine.runner.prefill(table, tokens, list(range(len(tokens))))
+    for start, keys in moved.items():
+        direct = engine.pool.k[0, engine.pool.slots(table, torch.arange(start, start + len(keys)))]
+        torch.testing.assert_close(keys, direct, atol=1e-4, rtol=1e-4)
+    assert len(moved) == 2
