@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from kvsplice.bench.cli import add_bench_command
 from kvsplice.config import EngineConfig
 from kvsplice.errors import KvspliceError
 from kvsplice.sampling import SamplingParams
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed-sampling", type=int, default=None, help="seed of this request's sampling")
     EngineConfig.add_args(gen)
     gen.set_defaults(run=_generate)
+    add_bench_command(commands)
     return parser
 
 

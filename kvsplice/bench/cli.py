@@ -1,0 +1,123 @@
+"""`kvsplice bench WORKLOAD`: run a workload on the systems side by side, print the report, write
+DIR/report.md, DIR/results.json and the plots."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from kvsplice.bench.base import WorkloadSpec
+from kvsplice.bench.systems import DEFAULT_BUDGETS, DEFAULT_SYSTEMS, parse_systems
+from kvsplice.bench.workloads import make_workload
+from kvsplice.errors import ConfigError
+
+WORKLOAD_HELP = {
+    "rag": "k passages per request from a shared pool, in a new order each time (MuSiQue when present)",
+    "qa": "synthetic multi-document QA: an access code planted in one document; accuracy",
+    "chat": "multi-turn conversations, each turn extending the previous prompt (per-turn tables)",
+    "agent": "fixed system prompt and tools, a growing history re-sending earlier tool outputs",
+    "fewshot": "the same labelled examples in a new order per request; accuracy",
+}
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(x) for x in text.replace(",", " ").split()]
+
+
+def add_bench_command(commands: argparse._SubParsersAction) -> None:
+    """Register `bench` on the CLI's subcommands."""
+    parser = commands.add_parser(
+        "bench",
+        help="run a workload on no cache, hash and radix prefix caches and splicing side by side",
+        description=__doc__,
+        epilog="workloads: " + "; ".join(f"{k}: {v}" for k, v in WORKLOAD_HELP.items()),
+    )
+    parser.add_argument("workload", choices=sorted(WORKLOAD_HELP))
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=None,
+        help="off, hash, radix, splice (every policy and budget), splice:<policy>, "
+        "splice:<policy>@<percent>; space- or comma-separated. off, the reference, always runs. "
+        "Default: " + "; ".join(f"{w}: {','.join(s)}" for w, s in DEFAULT_SYSTEMS.items()),
+    )
+    parser.add_argument(
+        "--budgets",
+        nargs="+",
+        default=None,
+        help="repair budgets in percent of the reused segment tokens, for systems named without one "
+        f"(default: {' '.join(f'{b:g}' for b in DEFAULT_BUDGETS)}; none runs at 0 only, full at 100 only)",
+    )
+    sizes = parser.add_argument_group("workload sizes (defaults per workload)")
+    sizes.add_argument(
+        "--requests", type=int, help="measured requests (chat: conversations; agent: measured episodes)"
+    )
+    sizes.add_argument("--seed", type=int, default=0)
+    sizes.add_argument("--docs", type=int, help="documents per request (rag, qa); examples (fewshot)")
+    sizes.add_argument("--pool", type=int, help="shared documents the requests draw from")
+    sizes.add_argument("--turns", type=int, help="turns per conversation (chat), steps per episode (agent)")
+    sizes.add_argument("--doc-words", type=int, help="cut documents to at most this many words")
+    sizes.add_argument(
+        "--source",
+        choices=("auto", "musique", "synthetic"),
+        default="auto",
+        help="text for rag, chat and agent: MuSiQue from ../shared/data when present, else synthetic",
+    )
+    run = parser.add_argument_group("run")
+    run.add_argument("--out", type=Path, default=None, help="output directory (default: out/bench/WORKLOAD)")
+    run.add_argument("--continuation", type=int, default=16, help="greedy tokens compared per request")
+    run.add_argument("--model", default=None, help="model directory or .gguf (default: Gemma 3 270M)")
+    run.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    run.add_argument("--dtype", default="float32")
+    run.add_argument("--kv-dtype", default="float32")
+    run.add_argument("--block-size", type=int, default=16)
+    run.add_argument("--kv-cache-gb", type=float, default=6.0, help="all engines' KV pools together, at most")
+    run.add_argument("--no-plots", action="store_true")
+    run.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(run=_bench)
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from kvsplice.bench.report import write
+    from kvsplice.bench.runner import BenchConfig, run_bench
+
+    try:
+        budgets = tuple(_numbers(" ".join(args.budgets))) if args.budgets else DEFAULT_BUDGETS
+        spec = WorkloadSpec(
+            requests=args.requests,
+            seed=args.seed,
+            docs=args.docs,
+            pool=args.pool,
+            turns=args.turns,
+            doc_words=args.doc_words,
+            source=args.source,
+        )
+        config = BenchConfig(
+            workload=args.workload,
+            spec=spec,
+            systems=tuple(args.systems or ()),
+            budgets=budgets,
+            continuation=args.continuation,
+            model=args.model,
+            num_threads=args.num_threads,
+            dtype=args.dtype,
+            kv_dtype=args.kv_dtype,
+            block_size=args.block_size,
+            kv_cache_gb=args.kv_cache_gb,
+            progress=not args.no_progress,
+            command=shlex.join(["kvsplice", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else "",
+        )
+        if config.continuation < 1:
+            raise ValueError("--continuation must be >= 1")
+        # Bad names and sizes are the user's mistake: one line, before any model loads.
+        workload = make_workload(args.workload, spec)
+        parse_systems(config.systems, budgets)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from err
+    result = run_bench(config, workload)
+    out = args.out or Path("out") / "bench" / args.workload
+    report = write(result, out, plots=not args.no_plots)
+    print(report)
+    print(f"[wrote {out / 'report.md'}, {out / 'results.json'}]", file=sys.stderr)

@@ -1,0 +1,228 @@
+"""What a bench run measures: per-request records, the fidelity of a system's output against the full
+prefill of the same request, and the per-system (and per-turn) summaries the report prints.
+
+Definitions (docs/bench.md has the long form):
+- KL: KL(full || system) of the next-token distributions at the first generated position, in nats.
+- top-1: the argmax of both distributions is the same token.
+- same N: the greedy continuations (up to N tokens, or EOS) are identical token for token.
+- computed: prompt tokens computed from scratch plus reused tokens recomputed by repair, over the
+  prompt tokens; FLOPs: the system's estimated prefill FLOPs over the full prefill's.
+- accuracy: one of the request's answers appears (case-insensitively) in the first non-empty line
+  of the greedy continuation.
+- peak KV: the most KV memory the system held at the end of a prefill (see runner.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RequestRecord:
+    """One request on one system."""
+
+    system: str
+    request_id: str
+    warmup: bool = False
+    group: str = ""
+    turn: int = 0
+    # Why the system failed on this request; None when it succeeded.
+    error: str | None = None
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    segment_hit_tokens: int = 0
+    computed_tokens: int = 0
+    recomputed_tokens: int = 0
+    # Tokens computed after the first token to fill the segment store (missed segments, on their own).
+    store_tokens: int = 0
+    prefill_flops: float = 0.0
+    ttft_s: float = 0.0
+    kv_peak_bytes: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    # Against the full prefill of the same request; None when there is none to compare with.
+    kl: float | None = None
+    top1: bool | None = None
+    same_continuation: bool | None = None
+    # The full prefill's estimated FLOPs for the same request.
+    reference_flops: float | None = None
+    ttft_speedup: float | None = None
+    correct: bool | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class SystemSummary:
+    """A system over the measured requests; rates and means are over the requests it completed."""
+
+    system: str
+    requests: int
+    failed: int
+    ttft_p50_s: float | None = None
+    ttft_p95_s: float | None = None
+    # Median over requests of (full prefill's TTFT / this system's TTFT).
+    speedup_p50: float | None = None
+    computed_frac: float | None = None
+    flops_frac: float | None = None
+    prefix_hit_frac: float | None = None
+    segment_hit_frac: float | None = None
+    recomputed_frac: float | None = None
+    store_tokens_mean: float | None = None
+    kl_mean: float | None = None
+    kl_p95: float | None = None
+    top1_rate: float | None = None
+    same_rate: float | None = None
+    accuracy: float | None = None
+    peak_kv_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class TurnSummary:
+    """One system at one turn (chat) or step (agent), over the conversations or episodes."""
+
+    turn: int
+    system: str
+    requests: int
+    failed: int
+    prompt_tokens_mean: float | None = None
+    ttft_p50_s: float | None = None
+    computed_mean: float | None = None
+    reused_mean: float | None = None
+
+
+# -- fidelity ------------------------------------------------------------------------------------------
+
+
+def kl_divergence(reference: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(P_ref || P) in nats, from logits [vocab] (computed in float64)."""
+    log_p = torch.log_softmax(reference.double(), -1)
+    log_q = torch.log_softmax(logits.double(), -1)
+    return max(0.0, float((log_p.exp() * (log_p - log_q)).sum()))
+
+
+def top1_agree(reference: torch.Tensor, logits: torch.Tensor) -> bool:
+    return int(torch.argmax(reference)) == int(torch.argmax(logits))
+
+
+def first_line(text: str) -> str:
+    return next((line for line in text.splitlines() if line.strip()), "")
+
+
+def is_correct(text: str, answers: Iterable[str]) -> bool:
+    line = first_line(text).lower()
+    return any(answer.lower() in line for answer in answers)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linearly interpolated between order statistics; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def compare(
+    record: RequestRecord, reference: RequestRecord, logits: torch.Tensor, ref_logits: torch.Tensor
+) -> None:
+    """Fill the record's fidelity fields against the full prefill of the same request."""
+    record.kl = kl_divergence(ref_logits, logits)
+    record.top1 = top1_agree(ref_logits, logits)
+    record.same_continuation = record.token_ids == reference.token_ids
+    record.reference_flops = reference.prefill_flops
+    if record.ttft_s > 0:
+        record.ttft_speedup = reference.ttft_s / record.ttft_s
+
+
+# -- summaries -----------------------------------------------------------------------------------------
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _rate(flags: Iterable[bool | None]) -> float | None:
+    known = [f for f in flags if f is not None]
+    return sum(known) / len(known) if known else None
+
+
+def _frac(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def summarize(records: Sequence[RequestRecord], systems: Sequence[str]) -> list[SystemSummary]:
+    """One summary per system, in the given order, over the measured (not warm-up) records."""
+    by_system: dict[str, list[RequestRecord]] = defaultdict(list)
+    for record in records:
+        if not record.warmup:
+            by_system[record.system].append(record)
+    return [_summary(name, by_system[name]) for name in systems]
+
+
+def _summary(name: str, records: list[RequestRecord]) -> SystemSummary:
+    ok = [r for r in records if r.ok]
+    failed = len(records) - len(ok)
+    if not ok:
+        return SystemSummary(name, len(records), failed)
+    ttfts = [r.ttft_s for r in ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    compared = [r for r in ok if r.reference_flops]
+    kls = [r.kl for r in ok if r.kl is not None]
+    speedups = [r.ttft_speedup for r in ok if r.ttft_speedup is not None]
+    return SystemSummary(
+        system=name,
+        requests=len(records),
+        failed=failed,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p95_s=percentile(ttfts, 95),
+        speedup_p50=percentile(speedups, 50),
+        computed_frac=_frac(sum(r.computed_tokens + r.recomputed_tokens for r in ok), prompt),
+        flops_frac=_frac(
+            sum(r.prefill_flops for r in compared), sum(r.reference_flops or 0.0 for r in compared)
+        ),
+        prefix_hit_frac=_frac(sum(r.prefix_hit_tokens for r in ok), prompt),
+        segment_hit_frac=_frac(sum(r.segment_hit_tokens for r in ok), prompt),
+        recomputed_frac=_frac(sum(r.recomputed_tokens for r in ok), prompt),
+        store_tokens_mean=_mean([r.store_tokens for r in ok]),
+        kl_mean=_mean(kls),
+        kl_p95=percentile(kls, 95),
+        top1_rate=_rate(r.top1 for r in ok),
+        same_rate=_rate(r.same_continuation for r in ok),
+        accuracy=_rate(r.correct for r in ok),
+        peak_kv_bytes=max(r.kv_peak_bytes for r in ok),
+    )
+
+
+def per_turn(records: Sequence[RequestRecord], systems: Sequence[str]) -> list[TurnSummary]:
+    """One row per (turn, system) over the measured records, turns in order."""
+    cells: dict[tuple[int, str], list[RequestRecord]] = defaultdict(list)
+    for record in records:
+        if not record.warmup:
+            cells[(record.turn, record.system)].append(record)
+    rows = []
+    for turn in sorted({t for t, _ in cells}):
+        for name in systems:
+            cell = cells.get((turn, name), [])
+            ok = [r for r in cell if r.ok]
+            rows.append(
+                TurnSummary(
+                    turn=turn,
+                    system=name,
+                    requests=len(cell),
+                    failed=len(cell) - len(ok),
+                    prompt_tokens_mean=_mean([r.prompt_tokens for r in ok]),
+                    ttft_p50_s=percentile([r.ttft_s for r in ok], 50),
+                    computed_mean=_mean([r.computed_tokens + r.recomputed_tokens for r in ok]),
+                    reused_mean=_mean([r.prefix_hit_tokens + r.segment_hit_tokens for r in ok]),
+                )
+            )
+    return rows

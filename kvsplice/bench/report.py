@@ -1,0 +1,192 @@
+"""The markdown report of a bench run (stdout and DIR/report.md), and writing a run's files."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from kvsplice.bench.metrics import SystemSummary, TurnSummary
+from kvsplice.bench.results import BenchResult
+
+LEGEND = (
+    "TTFT: time to first token (p50, p95); speedup: median over requests of the full prefill's TTFT "
+    "over the system's. computed: prompt tokens computed plus reused tokens recomputed by repair, as a "
+    "share of the prompt tokens; FLOPs: estimated prefill FLOPs as a share of the full prefill's. "
+    "prefix / segment: prompt tokens reused exactly from the prefix cache / moved from the segment "
+    "store. KL: mean KL(full ‖ system) of the next-token distribution at the first generated "
+    "position, in nats; top-1: same most likely first token; same N: identical greedy continuation of "
+    "N tokens. accuracy: the answer appears in the first line of the continuation. peak KV: most KV "
+    "memory the system held at the end of a prefill (docs/bench.md)."
+)
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1000:,.0f}"
+
+
+def _pct(value: float | None, digits: int = 0) -> str:
+    return "–" if value is None else f"{value * 100:.{digits}f}%"
+
+
+def _times(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def _kl(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if value == 0:
+        return "0"
+    return f"{value:.2e}" if value < 1e-3 else f"{value:.4f}"
+
+
+def _mib(value: int | None) -> str:
+    if value is None:
+        return "–"
+    mib = value / 2**20
+    return f"{mib:,.0f}" if mib >= 10 else f"{mib:.2f}"
+
+
+def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
+    header = (
+        "| system | done | TTFT p50 ms | TTFT p95 ms | speedup | computed | FLOPs | prefix | segment "
+        f"| KL | top-1 | same {continuation} | accuracy | peak KV MiB |"
+    )
+    rows = [header, "|---|---|" + "---:|" * 12]
+    for s in summaries:
+        done = f"{s.requests - s.failed}/{s.requests}" + (f" (**{s.failed} failed**)" if s.failed else "")
+        if s.failed == s.requests and s.requests:
+            rows.append(f"| {s.system} | {done} |" + " failed |" * 12)
+            continue
+        cells = [
+            _ms(s.ttft_p50_s),
+            _ms(s.ttft_p95_s),
+            _times(s.speedup_p50),
+            _pct(s.computed_frac, 1),
+            _pct(s.flops_frac, 1),
+            _pct(s.prefix_hit_frac, 1),
+            _pct(s.segment_hit_frac, 1),
+            _kl(s.kl_mean),
+            _pct(s.top1_rate),
+            _pct(s.same_rate),
+            _pct(s.accuracy),
+            _mib(s.peak_kv_bytes),
+        ]
+        rows.append(f"| {s.system} | {done} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def turn_tables(turns: list[TurnSummary], systems: list[str]) -> str:
+    """Two tables with a row per turn: TTFT p50 (ms) per system, and tokens computed per system."""
+    by_turn: dict[int, dict[str, TurnSummary]] = {}
+    for row in turns:
+        by_turn.setdefault(row.turn, {})[row.system] = row
+    head = "| turn | prompt tokens | " + " | ".join(systems) + " |"
+    rule = "|---:|---:|" + "---:|" * len(systems)
+
+    def table(cell: str) -> str:
+        lines = [head, rule]
+        for turn, cells in sorted(by_turn.items()):
+            prompt = next((c.prompt_tokens_mean for c in cells.values() if c.prompt_tokens_mean), None)
+            values = []
+            for name in systems:
+                c = cells.get(name)
+                if c is None or c.requests == 0:
+                    values.append("–")
+                elif c.failed == c.requests:
+                    values.append("failed")
+                else:
+                    mark = f" ({c.failed} failed)" if c.failed else ""
+                    values.append(
+                        (_ms(c.ttft_p50_s) if cell == "ttft" else f"{c.computed_mean or 0:,.0f}") + mark
+                    )
+            lines.append(f"| {turn} | {prompt or 0:,.0f} | " + " | ".join(values) + " |")
+        return "\n".join(lines)
+
+    return (
+        "TTFT p50 (ms) per turn:\n\n"
+        + table("ttft")
+        + "\n\nPrompt tokens computed per turn (mean; computed plus recomputed):\n\n"
+        + table("computed")
+    )
+
+
+def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
+    r, m = result, result.machine
+    spec = r.spec
+    measured = sum(1 for x in r.records if x.system == r.systems[0] and not x.warmup)
+    warmups = len({x.request_id for x in r.records if x.warmup})
+    sizes = ", ".join(f"{k}={v}" for k, v in spec.items() if v is not None)
+    corpus = {
+        "musique": "MuSiQue passages from ../shared/data/musique_s.json",
+        "synthetic": "the synthetic corpus shipped in kvsplice/data/",
+    }.get(r.corpus, r.corpus)
+    load = "" if m.load_start is None else f"; load average {_load(m.load_start)} at the start"
+    if m.load_end is not None:
+        load += f", {_load(m.load_end)} at the end"
+    lines = [
+        f"# kvsplice bench: {r.workload}",
+        "",
+        f"`{r.command}` · started {r.started} · {r.wall_s / 60:.1f} min",
+        "",
+        f"**Workload.** {r.description}. Text: {corpus}. {measured} measured requests"
+        + (f" after {warmups} warm-up requests" if warmups else "")
+        + f" ({sizes}). Greedy continuations of {r.continuation_tokens} tokens.",
+        "",
+        f"**Machine.** {m.cpu}, {m.cores} cores, torch {m.torch_version} with {m.torch_threads} threads, "
+        f"Python {m.python}, {m.platform}{load}."
+        + (f" kvsplice commit {m.git_commit}." if m.git_commit else ""),
+    ]
+    if r.model is not None:
+        mo = r.model
+        lines += [
+            "",
+            f"**Model.** {mo.name}: {mo.architecture}, {_count(mo.parameters)} parameters, {mo.layers} "
+            f"layers, {mo.dtype} compute, {mo.kv_dtype} KV ({mo.kv_bytes_per_token / 1024:.0f} KiB per "
+            f"token), blocks of {mo.block_size} tokens. KV pools: "
+            + ", ".join(f"{k} {v:.2f} GiB" for k, v in r.kv_pools_gib.items())
+            + ".",
+        ]
+    lines += [
+        "",
+        "## Side by side",
+        "",
+        f"Reference: `{r.systems[0]}`, a full prefill of the same prompt in the same run.",
+        "",
+        summary_table(r.summaries, r.continuation_tokens),
+        "",
+        LEGEND,
+    ]
+    if r.turns:
+        lines += ["", "## Per turn", "", turn_tables(r.turns, r.systems)]
+    failures = Counter((x.system, x.error) for x in r.records if x.error is not None)
+    if failures:
+        lines += ["", "## Failures", ""]
+        lines += [f"- `{system}`: {count}× {error}" for (system, error), count in failures.items()]
+    if r.notes:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in r.notes]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def _load(values: tuple[float, float, float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in values)
+
+
+def write(result: BenchResult, out: Path, plots: bool = True) -> str:
+    """Write results.json, the plots and report.md into `out`; returns the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    result.write_json(out / "results.json")
+    names: list[str] = []
+    if plots:
+        from kvsplice.bench.plots import write_plots
+
+        names = write_plots(result, out)
+    report = markdown(result, names)
+    (out / "report.md").write_text(report)
+    return report

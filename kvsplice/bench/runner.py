@@ -1,0 +1,317 @@
+"""Run a workload on every system, request by request, and measure.
+
+Engines: one per prefix cache among off / hash / radix, and one shared by every splice system (each
+with its own cache salt). All load the same weights once (the loader shares them) and own a KV pool.
+Requests run one at a time, in workload order; for each request every system runs it, in an order
+rotated by one system per request (round-robin), so machine noise and warm caches hit all systems
+alike. Warm-up requests run on every system but the reference (which keeps no state) and are not
+measured. Then each system's output is compared with the reference's (`off`, a full prefill).
+
+Peak KV memory: KV blocks are counted after each engine step through the pool's allocator
+(`num_used`: blocks with a holder, i.e. running requests, radix nodes, segment-store entries). A
+system's *held* blocks are the sum of the changes in `num_used` over its requests (exact while
+nothing is evicted: a shared engine runs one request at a time); its peak is the most it held plus
+what its running request added by the end of the prefill step (the request's blocks, reserved for
+prompt and continuation, and any segment-store fills). vLLM's hash cache keeps cached KV in free
+blocks (reclaimed at no cost), so only its running request shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import torch
+from tqdm import tqdm
+
+from kvsplice.bench.base import BenchRequest, Workload, WorkloadSpec
+from kvsplice.bench.metrics import RequestRecord, compare, is_correct, per_turn, summarize
+from kvsplice.bench.results import BenchResult, MachineInfo, ModelInfo, end_load
+from kvsplice.bench.systems import (
+    DEFAULT_BUDGETS,
+    REFERENCE,
+    SPLICE_ENGINE,
+    System,
+    WordHashEncoder,
+    default_systems,
+    parse_systems,
+    prompt_parts,
+)
+from kvsplice.bench.workloads import make_workload
+from kvsplice.config import DTYPES
+from kvsplice.kv.pool import bytes_per_block
+from kvsplice.llm import LLM
+from kvsplice.loader.model_files import resolve_model_dir
+from kvsplice.loader.tokenizer import Tokenizer
+from kvsplice.models.config import ModelConfig
+from kvsplice.sampling import SamplingParams
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    workload: str
+    spec: WorkloadSpec = field(default_factory=WorkloadSpec)
+    # System names (see systems.py); empty: the workload's default set.
+    systems: tuple[str, ...] = ()
+    budgets: tuple[float, ...] = DEFAULT_BUDGETS
+    # Greedy continuation length compared with the reference's.
+    continuation: int = 16
+    model: str | None = None
+    num_threads: int | None = None
+    dtype: str = "float32"
+    kv_dtype: str = "float32"
+    block_size: int = 16
+    # All KV pools together at most (each is sized to what the workload can ever write).
+    kv_cache_gb: float = 6.0
+    progress: bool = True
+    # How the run was started, for the report.
+    command: str = ""
+
+
+@dataclass
+class _Engine:
+    llm: LLM | None
+    error: str | None = None
+
+
+class _Run:
+    def __init__(self, config: BenchConfig, workload: Workload, systems: list[System]) -> None:
+        self.config = config
+        self.workload = workload
+        self.systems = systems
+        self.notes: list[str] = []
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_cfg = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = (
+            Tokenizer.from_dir(self.model_dir) if (self.model_dir / "tokenizer.json").exists() else None
+        )
+        self.encode = None if self.tokenizer else WordHashEncoder(self.model_cfg.vocab_size)
+        self.block_bytes = bytes_per_block(self.model_cfg, config.block_size, DTYPES[config.kv_dtype])
+        self.pools = self._size_pools()
+        self.engines = {key: self._engine(key, gib) for key, gib in self.pools.items()}
+        self.params = SamplingParams(
+            max_tokens=config.continuation, temperature=0.0, return_first_logits=True
+        )
+        # Blocks held by each system's caches (see the module docstring).
+        self.held: dict[str, int] = defaultdict(int)
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _num_tokens(self, request: BenchRequest, cache: dict[str, int]) -> int:
+        total = (
+            1 if self.tokenizer and self.tokenizer.add_bos and self.tokenizer.bos_token_id is not None else 0
+        )
+        for part in request.parts:
+            text = part if isinstance(part, str) else part.text
+            if text not in cache:
+                cache[text] = len(self.tokenizer.encode(text) if self.tokenizer else self.encode(text))  # type: ignore[misc]
+            total += cache[text]
+        return total
+
+    def _size_pools(self) -> dict[str, float]:
+        """GiB per engine: enough for everything the workload can ever write, so nothing is evicted,
+        unless that exceeds config.kv_cache_gb; then the shared engines are cut down (and it is noted)."""
+        bs = self.config.block_size
+        cache: dict[str, int] = {}
+        requests = [
+            -(-(self._num_tokens(r, cache) + self.config.continuation) // bs) for r in self.workload.requests
+        ]
+        docs = {d.text for r in self.workload.requests for d in r.docs}
+        doc_blocks = sum(-(-(cache[text] + 1) // bs) for text in docs)
+        num_splice = sum(s.splices for s in self.systems)
+        need = {"off": max(requests) + 1}
+        floor = dict(need)
+        for key in ("hash", "radix"):
+            if any(s.engine_key == key for s in self.systems):
+                need[key], floor[key] = sum(requests) + 1, max(requests) + 1
+        if num_splice:
+            need[SPLICE_ENGINE] = num_splice * (sum(requests) + doc_blocks) + 1
+            floor[SPLICE_ENGINE] = max(requests) + num_splice * doc_blocks + 1
+        cap = int(self.config.kv_cache_gb * GIB // self.block_bytes)
+        blocks = dict(need)
+        if sum(need.values()) > cap:
+            spare = max(cap - sum(floor.values()), 0)
+            extra = {k: need[k] - floor[k] for k in need}
+            scale = spare / max(sum(extra.values()), 1)
+            blocks = {k: floor[k] + int(extra[k] * scale) for k in need}
+            self.notes.append(
+                f"KV pools capped at {self.config.kv_cache_gb:g} GiB in all (the workload could write "
+                f"{sum(need.values()) * self.block_bytes / GIB:.1f} GiB): caches may evict, and in the "
+                "shared splice engine one system's entries may then evict another's."
+            )
+        # Half a block more, so that rounding never costs the pool its last block.
+        return {k: (b + 0.5) * self.block_bytes / GIB for k, b in blocks.items()}
+
+    def _engine(self, key: str, gib: float) -> _Engine:
+        c = self.config
+        try:
+            llm = LLM(
+                c.model,
+                prefix_cache="radix" if key == SPLICE_ENGINE else key,
+                kv_cache_gb=gib,
+                num_threads=c.num_threads,
+                dtype=c.dtype,
+                kv_dtype=c.kv_dtype,
+                block_size=c.block_size,
+                max_num_seqs=1,
+            )
+        except Exception as err:  # every system on this engine is then reported as failed
+            self.notes.append(f"engine {key!r} failed to start: {type(err).__name__}: {err}")
+            return _Engine(None, f"engine failed to start: {type(err).__name__}: {err}")
+        return _Engine(llm)
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def run(self) -> list[RequestRecord]:
+        requests = self.workload.requests
+        total = sum(len(self.systems) - r.warmup for r in requests)
+        records: list[RequestRecord] = []
+        with tqdm(
+            total=total, disable=not self.config.progress, unit="run", file=sys.stderr, dynamic_ncols=True
+        ) as bar:
+            for index, request in enumerate(requests):
+                bar.set_description(f"{self.workload.name} {'warm-up' if request.warmup else 'measured'}")
+                shift = index % len(self.systems)
+                order = self.systems[shift:] + self.systems[:shift]
+                results: dict[str, tuple[RequestRecord, torch.Tensor | None]] = {}
+                for system in order:
+                    if request.warmup and system.name == REFERENCE:
+                        continue
+                    bar.set_postfix_str(f"{request.request_id} on {system.name}", refresh=False)
+                    results[system.name] = self._run_one(system, request)
+                    bar.update()
+                if not request.warmup:
+                    _compare_all(results)
+                records += [results[s.name][0] for s in self.systems if s.name in results]
+        return records
+
+    def _run_one(self, system: System, request: BenchRequest) -> tuple[RequestRecord, torch.Tensor | None]:
+        record = RequestRecord(system.name, request.request_id, request.warmup, request.group, request.turn)
+        slot = self.engines[system.engine_key]
+        if slot.llm is None:
+            record.error = slot.error
+            return record, None
+        engine = slot.llm.engine
+        allocator = engine.pool.allocator
+        used_before = allocator.num_used
+        request_id = None
+        try:
+            prompt = prompt_parts(system, request, self.encode)
+            request_id = engine.add_request(
+                prompt,
+                self.params,
+                cache_salt=system.cache_salt,
+                repair=system.policy,
+                recompute_ratio=system.recompute_ratio,
+            )
+            output, after_prefill = None, None
+            while output is None:
+                steps = engine.step()
+                if after_prefill is None:
+                    after_prefill = allocator.num_used
+                output = next((s.output for s in steps if s.request_id == request_id and s.output), None)
+                if output is None and not engine.has_unfinished():
+                    raise RuntimeError("the engine went idle without finishing the request")
+        except Exception as err:  # a system that fails is reported as failed, never dropped
+            record.error = f"{type(err).__name__}: {err}"
+            if request_id is not None:
+                try:
+                    engine.abort(request_id)
+                except Exception as abort_err:
+                    record.error += f" (abort failed too: {abort_err})"
+            return record, None
+        m = output.metrics
+        assert after_prefill is not None
+        peak = self.held[system.name] + max(after_prefill - used_before, 0)
+        self.held[system.name] += allocator.num_used - used_before
+        record.prompt_tokens = m.prompt_tokens
+        record.prefix_hit_tokens = m.prefix_hit_tokens
+        record.segment_hit_tokens = m.segment_hit_tokens
+        record.computed_tokens = m.computed_tokens
+        record.recomputed_tokens = m.recomputed_tokens
+        record.store_tokens = m.segment_store_tokens
+        record.prefill_flops = m.prefill_flops
+        record.ttft_s = m.ttft_s
+        record.kv_peak_bytes = peak * self.block_bytes
+        record.token_ids = list(output.token_ids)
+        record.text = output.text
+        if request.answers and self.tokenizer is not None:
+            record.correct = is_correct(output.text, request.answers)
+        return record, output.first_logits
+
+    def check_evictions(self) -> None:
+        splice = self.engines.get(SPLICE_ENGINE)
+        if splice is not None and splice.llm is not None:
+            evictions = splice.llm.engine.segment_store.stats.evictions
+            if evictions:
+                self.notes.append(f"the shared splice engine's segment store evicted {evictions} entries")
+
+
+def _compare_all(results: dict[str, tuple[RequestRecord, torch.Tensor | None]]) -> None:
+    reference, ref_logits = results.get(REFERENCE, (None, None))
+    if reference is None or ref_logits is None:
+        return
+    for record, logits in results.values():
+        if logits is not None:
+            compare(record, reference, logits, ref_logits)
+
+
+def run_bench(config: BenchConfig, workload: Workload | None = None) -> BenchResult:
+    """Run one workload on the configured systems; `workload` overrides the generated one (tests)."""
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    t0 = time.perf_counter()
+    workload = workload or make_workload(config.workload, config.spec)
+    if config.systems:
+        systems = parse_systems(config.systems, config.budgets)
+    else:
+        systems = default_systems(workload.name, config.budgets)
+    machine = MachineInfo.collect()
+    run = _Run(config, workload, systems)
+    # Engines set torch's thread count; record the count they run with.
+    machine = dataclasses.replace(machine, torch_threads=torch.get_num_threads())
+    records = run.run()
+    run.check_evictions()
+    names = [s.name for s in systems]
+    return BenchResult(
+        workload=workload.name,
+        description=workload.description,
+        corpus=workload.corpus,
+        spec=dataclasses.asdict(workload.spec),
+        systems=names,
+        command=config.command or shlex.join(["kvsplice", "bench", workload.name]),
+        machine=dataclasses.replace(machine, load_end=end_load()),
+        model=_model_info(run),
+        kv_pools_gib={k: round(v, 3) for k, v in run.pools.items()},
+        continuation_tokens=config.continuation,
+        records=records,
+        summaries=summarize(records, names),
+        turns=per_turn(records, names) if workload.has_turns else [],
+        notes=run.notes,
+        started=started,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
+def _model_info(run: _Run) -> ModelInfo | None:
+    llm = next((e.llm for e in run.engines.values() if e.llm is not None), None)
+    params = sum(p.numel() for p in llm.engine.model.parameters()) if llm is not None else 0
+    cfg, c = run.model_cfg, run.config
+    name = c.model if c.model is not None else "Gemma 3 270M (the default: its Q4_K_M GGUF, dequantised)"
+    return ModelInfo(
+        name=name,
+        architecture=cfg.architecture,
+        parameters=params,
+        layers=cfg.num_layers,
+        dtype=c.dtype,
+        kv_dtype=c.kv_dtype,
+        block_size=c.block_size,
+        kv_bytes_per_token=run.block_bytes // c.block_size,
+        has_tokenizer=run.tokenizer is not None,
+    )

@@ -1,0 +1,149 @@
+"""The systems a bench run puts side by side, by name:
+
+    off                     no cache; documents as plain text. Always run: the full-prefill reference.
+    hash                    vLLM's hash-chain prefix cache; documents as plain text.
+    radix                   SGLang's radix-tree prefix cache; documents as plain text.
+    splice:<policy>@<pct>   documents as `Segment`s, over the radix prefix cache, repaired by <policy>
+                            with a budget of <pct>% of the reused segment tokens.
+
+`splice` alone stands for every policy at every budget, `splice:<policy>` for one policy at every
+budget; `none` runs only at 0% and `full` only at 100% (anything else would duplicate them), and
+boundary and deviation run at the budgets strictly between.
+
+All splice systems share one engine: the policy and budget are per-request arguments, and each system
+has its own cache salt, so its prefix cache and segment store are its own.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvsplice.bench.base import BenchRequest, Doc
+from kvsplice.prompt import Part, Segment
+from kvsplice.repair import POLICY_NAMES
+
+REFERENCE = "off"
+PREFIX_SYSTEMS = ("off", "hash", "radix")
+DEFAULT_BUDGETS = (0.0, 5.0, 10.0, 15.0, 30.0, 100.0)
+SPLICE_ENGINE = "splice"
+# The default systems of each workload: the full sweep where documents recur in new orders, a few
+# where the prompts mostly extend each other.
+DEFAULT_SYSTEMS = {
+    "rag": ("off", "hash", "radix", "splice"),
+    "qa": ("off", "hash", "radix", "splice"),
+    "fewshot": ("off", "hash", "radix", "splice"),
+    "chat": ("off", "hash", "radix", "splice:none@0", "splice:deviation@15", "splice:full@100"),
+    "agent": ("off", "hash", "radix", "splice:none@0", "splice:deviation@15", "splice:full@100"),
+}
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    # The prefix cache of the system's engine.
+    prefix_cache: str
+    # Splicing systems: the repair policy and its budget in percent of the reused segment tokens.
+    policy: str | None = None
+    budget_pct: float | None = None
+
+    @property
+    def splices(self) -> bool:
+        return self.policy is not None
+
+    @property
+    def engine_key(self) -> str:
+        """Systems with the same key run on the same engine."""
+        return SPLICE_ENGINE if self.splices else self.prefix_cache
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.name if self.splices else None
+
+    @property
+    def recompute_ratio(self) -> float | None:
+        return None if self.budget_pct is None else self.budget_pct / 100.0
+
+
+def splice_system(policy: str, budget_pct: float) -> System:
+    if policy not in POLICY_NAMES:
+        raise ValueError(f"unknown repair policy {policy!r}; choose one of {POLICY_NAMES}")
+    if not 0 <= budget_pct <= 100:
+        raise ValueError(f"a budget is a percentage in [0, 100], got {budget_pct}")
+    return System(f"splice:{policy}@{budget_pct:g}", "radix", policy, float(budget_pct))
+
+
+def policy_budgets(policy: str, budgets: Sequence[float]) -> list[float]:
+    """The budgets at which a policy runs when none is named: none at 0, full at 100, others between."""
+    if policy == "none":
+        return [0.0]
+    if policy == "full":
+        return [100.0]
+    return sorted({float(b) for b in budgets if 0 < b < 100})
+
+
+def parse_systems(names: Sequence[str], budgets: Sequence[float] = DEFAULT_BUDGETS) -> list[System]:
+    """Systems from names (each may be a comma-separated list), the reference first, no duplicates."""
+    systems: dict[str, System] = {}
+    for item in (n.strip() for name in names for n in name.split(",")):
+        if not item:
+            continue
+        if item in PREFIX_SYSTEMS:
+            found = [System(item, item)]
+        elif item == "splice":
+            found = [splice_system(p, b) for p in POLICY_NAMES for b in policy_budgets(p, budgets)]
+        elif item.startswith("splice:"):
+            policy, _, budget = item.removeprefix("splice:").partition("@")
+            if budget:
+                try:
+                    pct = float(budget.rstrip("%"))
+                except ValueError:
+                    raise ValueError(
+                        f"bad budget in {item!r}: a percentage, as in splice:deviation@15"
+                    ) from None
+                found = [splice_system(policy, pct)]
+            else:
+                if policy not in POLICY_NAMES:
+                    raise ValueError(f"unknown repair policy {policy!r}; choose one of {POLICY_NAMES}")
+                found = [splice_system(policy, b) for b in policy_budgets(policy, budgets)]
+        else:
+            raise ValueError(
+                f"unknown system {item!r}: use off, hash, radix, splice, splice:<policy> or "
+                f"splice:<policy>@<percent> (policies: {', '.join(POLICY_NAMES)})"
+            )
+        for system in found:
+            systems.setdefault(system.name, system)
+    reference = systems.pop(REFERENCE, System(REFERENCE, REFERENCE))
+    return [reference, *systems.values()]
+
+
+def default_systems(workload: str, budgets: Sequence[float] = DEFAULT_BUDGETS) -> list[System]:
+    return parse_systems(DEFAULT_SYSTEMS.get(workload, DEFAULT_SYSTEMS["rag"]), budgets)
+
+
+def prompt_parts(
+    system: System, request: BenchRequest, encode: Callable[[str], list[int]] | None = None
+) -> list[Part]:
+    """The request as the system sends it: documents become Segments on splicing systems. `encode`
+    turns text into token ids for models without a tokenizer."""
+    parts: list[Part] = []
+    for part in request.parts:
+        text = part.text if isinstance(part, Doc) else part
+        content: str | list[int] = encode(text) if encode is not None else text
+        parts.append(Segment(content) if isinstance(part, Doc) and system.splices else content)
+    return parts
+
+
+class WordHashEncoder:
+    """Text to token ids without a tokenizer (tiny test models): one id per whitespace-separated word,
+    by CRC32, below the vocabulary size and above the few ids reserved for special tokens."""
+
+    RESERVED = 4
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, text: str) -> list[int]:
+        span = self.vocab_size - self.RESERVED
+        return [self.RESERVED + zlib.crc32(word.encode()) % span for word in text.split()]

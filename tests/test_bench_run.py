@@ -1,0 +1,131 @@
+"""`kvsplice bench` end to end: on a tiny random-weight model (token-id workloads, a few seconds), and
+once on the default model (slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvsplice.bench import BenchConfig, BenchResult, WorkloadSpec, run_bench, write_report
+from kvsplice.cli import main
+from kvsplice.engine.engine import Engine
+from tests import tiny_models
+
+SMALL = WorkloadSpec(requests=2, docs=3, pool=4, turns=3, doc_words=40)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-gemma3")
+    tiny_models.save("Gemma3ForCausalLM", directory)
+    return directory
+
+
+def _config(workload: str, model: Path, **kwargs) -> BenchConfig:
+    base = dict(spec=SMALL, model=str(model), continuation=4, progress=False, num_threads=1, kv_cache_gb=0.2)
+    base.update(kwargs)
+    return BenchConfig(workload, **base)  # type: ignore[arg-type]
+
+
+def test_rag_side_by_side_on_a_tiny_model(tiny_dir: Path, tmp_path: Path) -> None:
+    result = run_bench(_config("rag", tiny_dir))
+    systems = result.systems
+    assert systems[:3] == ["off", "hash", "radix"] and len(systems) == 13
+    warmups = {r.request_id for r in result.records if r.warmup}
+    measured = {r.request_id for r in result.records if not r.warmup}
+    assert len(measured) == 2 and warmups
+    # Every system ran every request (the reference skips warm-ups), and none failed.
+    assert len(result.records) == 13 * len(measured) + 12 * len(warmups)
+    assert all(r.ok for r in result.records)
+    by = {s.system: s for s in result.summaries}
+    # Exact systems match the full prefill; splicing reuses documents that prefix caches cannot.
+    for name in ("off", "hash", "radix", "splice:full@100"):
+        assert by[name].kl_mean is not None and by[name].kl_mean < 1e-6, name
+        assert by[name].same_rate == 1.0 and by[name].top1_rate == 1.0, name
+    for name in ("hash", "radix"):
+        assert by[name].segment_hit_frac == 0
+    for name in systems[3:]:
+        assert (by[name].segment_hit_frac or 0) > 0.5, name
+        assert (by[name].prefix_hit_frac or 0) < (by[name].segment_hit_frac or 0)
+    assert by["splice:none@0"].computed_frac < by["splice:deviation@30"].computed_frac < 1  # type: ignore[operator]
+    assert by["radix"].peak_kv_bytes > by["off"].peak_kv_bytes  # type: ignore[operator]
+    assert result.model is not None and not result.model.has_tokenizer
+    assert all(s.accuracy is None for s in result.summaries)  # no tokenizer: no text to check
+
+    report = write_report(result, tmp_path)
+    assert (tmp_path / "report.md").read_text() == report
+    for name in ("results.json", "frontier.png", "reuse.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "| splice:deviation@15 | 2/2 |" in report and "## Per turn" not in report
+    assert BenchResult.from_json((tmp_path / "results.json").read_text()) == result
+
+
+def test_a_failing_system_is_shown_failed_and_the_rest_still_run(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    add_request = Engine.add_request
+
+    def flaky(self, prompt, params, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("cache_salt") == "splice:deviation@15" and len(self._requests) == 0:
+            flaky.calls += 1  # type: ignore[attr-defined]
+            if flaky.calls == 3:  # type: ignore[attr-defined]
+                raise RuntimeError("injected failure")
+        return add_request(self, prompt, params, **kwargs)
+
+    flaky.calls = 0  # type: ignore[attr-defined]
+    monkeypatch.setattr(Engine, "add_request", flaky)
+    result = run_bench(_config("chat", tiny_dir, systems=("hash", "radix", "splice:deviation@15")))
+    failed = [(r.system, r.error) for r in result.records if not r.ok]
+    assert failed == [("splice:deviation@15", "RuntimeError: injected failure")]
+    summary = {s.system: s for s in result.summaries}["splice:deviation@15"]
+    assert (summary.requests, summary.failed) == (6, 1)
+    assert len(result.records) == 4 * 6
+    report = write_report(result, tmp_path)
+    assert "5/6 (**1 failed**)" in report and "injected failure" in report
+    assert "## Per turn" in report and (tmp_path / "turns.png").exists()
+    # Per turn, the prefix caches compute only what the previous turn did not have.
+    turns = {(t.turn, t.system): t for t in result.turns}
+    assert turns[(2, "radix")].computed_mean < turns[(2, "off")].computed_mean  # type: ignore[operator]
+
+
+def test_cli_runs_a_bench_and_refuses_bad_names(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "qa", "--model", str(tiny_dir), "--requests", "1", "--docs", "2", "--pool", "3"]
+    args += ["--doc-words", "30", "--continuation", "2", "--num-threads", "1", "--no-progress"]
+    args += ["--systems", "radix", "splice:none@0", "--out", str(tmp_path), "--no-plots"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| splice:none@0 | 1/1 |" in out and "# kvsplice bench: qa" in out
+    assert json.loads((tmp_path / "results.json").read_text())["systems"] == ["off", "radix", "splice:none@0"]
+    assert not (tmp_path / "frontier.png").exists()
+
+    assert main(["bench", "rag", "--systems", "splice:lru"]) == 2
+    assert "unknown repair policy 'lru'" in capsys.readouterr().err
+    assert main(["bench", "rag", "--docs", "9", "--pool", "3"]) == 2
+
+
+@pytest.mark.slow
+def test_default_model_rag_smoke(tmp_path: Path) -> None:
+    """The real model on a small rag run (< 60 s): exact systems match, splicing reuses documents."""
+    spec = WorkloadSpec(requests=1, docs=3, pool=3, doc_words=50)
+    config = BenchConfig(
+        "rag",
+        spec,
+        systems=("radix", "splice:none@0", "splice:full@100"),
+        continuation=4,
+        progress=False,
+        kv_cache_gb=0.5,
+        # One thread: on a busy 2-core machine two threads wait on each other (4x slower here).
+        num_threads=1,
+    )
+    result = run_bench(config)
+    by = {s.system: s for s in result.summaries}
+    assert all(r.ok for r in result.records)
+    assert by["radix"].kl_mean < 1e-4 and by["splice:full@100"].kl_mean < 1e-3  # type: ignore[operator]
+    assert (by["splice:none@0"].segment_hit_frac or 0) > 0.5
+    assert by["splice:none@0"].computed_frac < 0.2  # type: ignore[operator]
+    assert result.model is not None and result.model.has_tokenizer
+    assert "| splice:none@0 | 1/1 |" in write_report(result, tmp_path)
