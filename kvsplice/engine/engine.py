@@ -120,7 +120,9 @@ class Engine:
             seq=CacheSeq(request_id, namespace, list(parsed.token_ids)),
             generator=generator,
         )
-        if self.prefiller.blocks_needed(request) > self.pool.num_blocks:
+        # One block to spare: admission copies a partial prefix hit into a fresh block while it still
+        # holds the shared one (Prefiller.try_admit), so a request that needs every block never fits.
+        if self.prefiller.blocks_needed(request) + 1 > self.pool.num_blocks:
             raise PromptTooLongError(
                 f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs more KV "
                 f"than the pool holds "
