@@ -10,6 +10,7 @@ from kvsplice.bench.cli import add_bench_command
 from kvsplice.config import EngineConfig
 from kvsplice.errors import KvspliceError
 from kvsplice.sampling import SamplingParams
+from kvsplice.server.command import add_serve_command
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_args(gen)
     gen.set_defaults(run=_generate)
     add_bench_command(commands)
+    add_serve_command(commands)
     return parser
 
 

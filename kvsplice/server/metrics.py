@@ -1,0 +1,157 @@
+"""Prometheus metrics of one server, in a registry of its own (several servers can share a process).
+
+vLLM's names where kvsplice has the same quantity (`vllm:*`), kvsplice's own under `kvsplice:*`.
+Per-request quantities are recorded by the engine thread as outputs arrive; engine totals (queue
+lengths, KV pool, prefix cache, segment store) are read from the engine thread's latest snapshot
+when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvsplice.engine.engine import StepOutput
+from kvsplice.server.engine_loop import EngineStats
+
+# vLLM's buckets.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, labels = self.registry, ["model_name"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        m = model_name
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests").labels(m)
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens").labels(m)
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests", [*labels, "finished_reason"], registry=r
+        )
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS).labels(
+            m
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency", E2E_BUCKETS
+        ).labels(m)
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Time a request waited before its prefill", E2E_BUCKETS
+        ).labels(m)
+        self.request_prompt = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS
+        ).labels(m)
+        self.request_generation = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request", TOKEN_BUCKETS
+        ).labels(m)
+        self.prefix_hit_tokens = counter(
+            "kvsplice:prefix_hit_tokens", "Prompt tokens whose KV came exactly from the prefix cache"
+        ).labels(m)
+        self.segment_hit_tokens = counter(
+            "kvsplice:segment_hit_tokens", "Prompt tokens whose KV was reused from the segment store"
+        ).labels(m)
+        self.recomputed_tokens = counter(
+            "kvsplice:recomputed_tokens", "Reused segment tokens recomputed by the repair policy"
+        ).labels(m)
+        self.computed_tokens = counter(
+            "kvsplice:computed_prompt_tokens", "Prompt tokens computed from scratch"
+        ).labels(m)
+        self.segment_store_tokens = counter(
+            "kvsplice:segment_store_fill_tokens", "Tokens computed on their own to fill the segment store"
+        ).labels(m)
+        self.errors = Counter(
+            "kvsplice:request_errors",
+            "Requests answered with an error, by HTTP status",
+            [*labels, "status"],
+            registry=r,
+        )
+        r.register(_EngineCollector(model_name, stats))
+
+    def observe(self, step: StepOutput) -> None:
+        """Record one engine output (called by the engine thread)."""
+        self.generation_tokens.inc(len(step.new_token_ids))
+        out = step.output
+        if out is None:
+            return
+        m = out.metrics
+        self.request_success.labels(self.model_name, out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(m.prompt_tokens)
+        self.ttft.observe(m.ttft_s)
+        self.e2e.observe(m.e2e_s)
+        self.queue_time.observe(m.queue_s)
+        self.request_prompt.observe(m.prompt_tokens)
+        self.request_generation.observe(m.generated_tokens)
+        self.prefix_hit_tokens.inc(m.prefix_hit_tokens)
+        self.segment_hit_tokens.inc(m.segment_hit_tokens)
+        self.recomputed_tokens.inc(m.recomputed_tokens)
+        self.computed_tokens.inc(m.computed_tokens)
+        self.segment_store_tokens.inc(m.segment_store_tokens)
+
+    def abort(self, request_id: str) -> None:
+        """A request cancelled before it finished (its client went away)."""
+        self.request_success.labels(self.model_name, "abort").inc()
+
+    def error(self, status: int) -> None:
+        self.errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        name = [self._model_name]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the decode batch", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be admitted", s.num_waiting)
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV blocks held by running requests (1 = full)",
+            s.num_request_blocks / s.num_blocks,
+        )
+        yield gauge("kvsplice:kv_cache_blocks", "KV blocks in the pool", s.num_blocks)
+        yield gauge("kvsplice:kv_cache_request_blocks", "KV blocks held by running requests",
+                    s.num_request_blocks)  # fmt: skip
+        yield gauge(
+            "kvsplice:kv_cache_used_blocks",
+            "KV blocks referenced: running requests, plus cached prefixes and segments (evictable)",
+            s.num_used_blocks,
+        )
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up", s.prefix_cache_queries)
+        yield counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits
+        )
+        yield counter("kvsplice:segment_store_lookups", "Segment lookups", s.segment_lookups)
+        yield counter("kvsplice:segment_store_hits", "Segment lookups that hit", s.segment_hits)
+        yield counter("kvsplice:segment_store_inserted_tokens", "Tokens stored", s.segment_inserted_tokens)
+        yield counter("kvsplice:segment_store_evictions", "Segments evicted", s.segment_evictions)
+        yield gauge("kvsplice:segment_store_entries", "Segments stored", s.segment_entries)

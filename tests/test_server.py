@@ -1,0 +1,473 @@
+"""The real server on a free loopback port, driven by the official `openai` client (raw httpx only for
+inputs the client cannot send). One server with the default model for the module; generations are short."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvsplice.config import EngineConfig
+from kvsplice.engine.engine import Engine
+from kvsplice.server.config import ServerConfig
+from kvsplice.server.launch import ServerThread
+
+pytestmark = pytest.mark.slow
+
+DOCS = [
+    "Nile: the longest river in Africa, flowing north into the Mediterranean Sea.",
+    "Kilimanjaro: a mountain in Tanzania, the highest on the African continent.",
+    "Sahara: the largest hot desert in the world, spanning much of North Africa.",
+]
+SYSTEM = "You answer questions using only the documents the user gives you."
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir: Path) -> Iterator[ServerThread]:
+    engine = Engine(EngineConfig(kv_cache_gb=0.25))
+    with ServerThread(engine) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def engine_of(server: ServerThread) -> Engine:
+    return server.app.state.server.engine.engine
+
+
+def metrics(server: ServerThread) -> dict[str, float]:
+    """Every sample of /metrics by name (labels dropped: one model, one series per name here)."""
+    text = httpx.get(server.url + "/metrics").text
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + (
+                "{"
+                + ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+                + "}"
+                if len(sample.labels) > 1
+                else ""
+            )
+            samples[key] = sample.value
+    return samples
+
+
+def wait_idle(server: ServerThread, timeout_s: float = 60) -> dict[str, float]:
+    """/metrics once no request runs or waits and no block is held by a request."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(server)
+        if m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0:
+            assert m["kvsplice:kv_cache_request_blocks"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+            return m
+        assert time.monotonic() < deadline, f"engine not idle: {m}"
+        time.sleep(0.1)
+
+
+# -- basics ---------------------------------------------------------------------------------------
+
+
+def test_models_and_health(server: ServerThread, client: openai.OpenAI, model: str) -> None:
+    assert model == "gemma-3-270m-q4_k_m"
+    assert httpx.get(server.url + "/health").status_code == 200
+    card = client.models.list().data[0]
+    assert card.object == "model" and card.owned_by == "kvsplice"
+
+
+def test_completion(client: openai.OpenAI, model: str, server: ServerThread) -> None:
+    tokenizer = engine_of(server).tokenizer
+    assert tokenizer is not None
+    text = "The capital of France is"
+    r = client.completions.create(model=model, prompt=text, max_tokens=4, temperature=0)
+    (choice,) = r.choices
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert choice.text and choice.finish_reason == "length"
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == 1 + len(tokenizer.encode(text))  # BOS
+    assert r.usage.completion_tokens == 4
+    # The same prompt as token ids gives the same greedy text.
+    ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
+    again = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0)
+    assert again.choices[0].text == choice.text
+
+
+def test_batch_completion_and_token_ids(client: openai.OpenAI, model: str) -> None:
+    r = client.completions.create(
+        model=model,
+        prompt=["One, two,", "Red, green,"],
+        max_tokens=3,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        extra = c.model_extra or {}
+        assert len(extra["token_ids"]) == 3 and extra["prompt_token_ids"][0] == 2
+    assert r.usage is not None and r.usage.completion_tokens == 6
+
+
+def test_chat_has_exactly_one_bos(client: openai.OpenAI, model: str, server: ServerThread) -> None:
+    tokenizer = engine_of(server).tokenizer
+    assert tokenizer is not None
+    messages: Any = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say hello."}]
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=3, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    ids = (r.model_extra or {})["prompt_token_ids"]
+    bos = tokenizer.bos_token_id
+    assert ids[0] == bos and ids.count(bos) == 1
+    # The rendered template, tokenised as a whole, is the same prompt.
+    assert ids == tokenizer.encode(tokenizer.apply_chat_template(messages))
+    assert r.usage is not None and r.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_completion_matches(client: openai.OpenAI, model: str) -> None:
+    kwargs: Any = dict(model=model, prompt="Once upon a time", max_tokens=5, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_streaming_chat_matches(client: openai.OpenAI, model: str) -> None:
+    kwargs: Any = dict(
+        model=model, messages=[{"role": "user", "content": "Name a color."}], max_tokens=5, temperature=0
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert all(c.usage is None for c in chunks)
+
+
+# -- segments -------------------------------------------------------------------------------------
+
+
+def test_chat_documents_reordered_hit_the_segment_store(
+    client: openai.OpenAI, model: str, server: ServerThread
+) -> None:
+    def ask(docs: list[str], salt: str) -> Any:
+        return client.chat.completions.create(
+            model=model,
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Which document mentions a desert?"},
+            ],
+            max_tokens=2,
+            temperature=0,
+            extra_body={"documents": docs, "cache_salt": salt},
+        ).usage
+
+    first = ask(DOCS, "tenant-a")
+    assert first.segment_hit_tokens == 0
+    second = ask([DOCS[2], DOCS[0], DOCS[1]], "tenant-a")
+    tokenizer = engine_of(server).tokenizer
+    assert tokenizer is not None
+    doc_tokens = [len(tokenizer.encode(d)) for d in DOCS]
+    assert second.segment_hit_tokens > 0
+    assert second.segment_hit_tokens <= sum(doc_tokens)
+    # Only the leading text before the first document is shared as a prefix.
+    leading = tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "X"}]
+    ).split("X")[0]
+    assert 0 < second.prefix_hit_tokens <= len(tokenizer.encode(leading))
+    assert second.prompt_tokens_details.cached_tokens == second.prefix_hit_tokens + second.segment_hit_tokens
+    assert second.recomputed_tokens <= second.segment_hit_tokens
+    # Another tenant shares nothing.
+    other = ask([DOCS[2], DOCS[0], DOCS[1]], "tenant-b")
+    assert other.segment_hit_tokens == 0 and other.prefix_hit_tokens == 0
+    m = metrics(server)
+    assert m["kvsplice:segment_hit_tokens_total"] >= second.segment_hit_tokens
+    assert m["kvsplice:segment_store_hits_total"] >= 3
+
+
+def test_completion_segments_with_repair_options(client: openai.OpenAI, model: str) -> None:
+    def ask(order: list[int], **extra: Any) -> Any:
+        parts = [{"text": "Context:\n"}]
+        for i in order:
+            parts += [{"segment": DOCS[i]}, {"text": "\n"}]
+        parts.append({"text": "Question: which river flows north?\nAnswer:"})
+        return client.completions.create(
+            model=model,
+            prompt=parts,  # type: ignore[arg-type]
+            max_tokens=2,
+            temperature=0,
+            extra_body={"cache_salt": "parts", **extra},
+        ).usage
+
+    ask([0, 1, 2])
+    full = ask([1, 2, 0], repair="full")
+    assert full.segment_hit_tokens > 0 and full.recomputed_tokens == full.segment_hit_tokens
+    capped = ask([2, 0, 1], repair="boundary", recompute_tokens=3)
+    assert capped.segment_hit_tokens > 0 and capped.recomputed_tokens <= 3
+    none = ask([2, 1, 0], repair="none")
+    assert none.segment_hit_tokens > 0 and none.recomputed_tokens == 0
+
+
+def test_chat_segment_content_part(client: openai.OpenAI, model: str) -> None:
+    def ask(first: int, second: int) -> Any:
+        content = [
+            {"type": "text", "text": DOCS[first], "kvsplice_segment": True},
+            {"type": "text", "text": DOCS[second], "kvsplice_segment": True},
+            {"type": "text", "text": "Which mountain is highest?"},
+        ]
+        return client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": content}],  # type: ignore[list-item]
+            max_tokens=2,
+            temperature=0,
+            extra_body={"cache_salt": "parts-chat"},
+        ).usage
+
+    ask(0, 1)
+    assert ask(1, 0).segment_hit_tokens > 0
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+BAD_COMPLETIONS: list[tuple[dict[str, Any], int]] = [
+    ({"model": "gpt-4", "prompt": "hi"}, 404),
+    ({"prompt": "hi", "temperature": -1}, 400),
+    ({"prompt": "hi", "temperature": "hot"}, 400),
+    ({"prompt": "hi", "top_p": 0}, 400),
+    ({"prompt": "hi", "top_p": 1.5}, 400),
+    ({"prompt": "hi", "top_k": -2}, 400),
+    ({"prompt": "hi", "max_tokens": 0}, 400),
+    ({"prompt": "hi", "max_tokens": -3}, 400),
+    ({"prompt": "hi", "max_tokens": 1.5}, 400),
+    ({"prompt": "hi", "n": 2}, 400),
+    ({"prompt": "hi", "best_of": 3}, 400),
+    ({"prompt": "hi", "logprobs": 2}, 400),
+    ({"prompt": "hi", "echo": True}, 400),
+    ({"prompt": "hi", "presence_penalty": 0.5}, 400),
+    ({"prompt": "hi", "stop": [""]}, 400),
+    ({"prompt": "hi", "stop": 5}, 400),
+    ({"prompt": "hi", "seed": 2**70}, 400),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
+    ({"prompt": "hi", "repair": "magic"}, 400),
+    ({"prompt": "hi", "recompute_ratio": 2}, 400),
+    ({"prompt": "hi", "recompute_tokens": -1}, 400),
+    ({"prompt": "hi", "cache_salt": 5}, 400),
+    ({}, 400),
+    ({"prompt": ""}, 200),
+    ({"prompt": []}, 400),
+    ({"prompt": [10**9]}, 400),
+    ({"prompt": [-1]}, 400),
+    ({"prompt": [2] * 20000}, 400),
+    ({"prompt": "hi", "max_tokens": 10**9}, 400),
+    ({"prompt": [{"segment": ""}]}, 400),
+    ({"prompt": [{"segment": "a", "text": "b"}]}, 400),
+    ({"prompt": [{"segment": [10**9]}]}, 400),
+    ({"prompt": [{"sgment": "typo"}]}, 400),
+    ({"prompt": [{"segment": "only a segment"}]}, 200),
+    ({"prompt": [{"segment": "twice"}, {"segment": "twice"}]}, 200),
+    ({"prompt": "\ud800"}, 400),
+    ({"prompt": "hi", "temperature": 1e-30, "max_tokens": 1}, 200),
+]
+
+BAD_CHATS: list[tuple[dict[str, Any], int]] = [
+    ({"messages": []}, 400),
+    ({"messages": "hi"}, 400),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, 400),
+    ({"messages": [{"role": "wizard", "content": "a"}]}, 400),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ({"messages": [{"role": "user", "content": "a"}], "documents": "doc"}, 400),
+    ({"messages": [{"role": "user", "content": "a"}], "documents": [""]}, 400),
+    ({"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0}, 400),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400),
+    ({"messages": [{"role": "user", "content": "a"}], "logprobs": True}, 400),
+    ({"messages": [{"role": "user", "content": "a " * 20000}]}, 400),
+]
+
+
+def test_bad_requests_get_openai_errors(server: ServerThread) -> None:
+    cases = [("/v1/completions", body, status) for body, status in BAD_COMPLETIONS]
+    cases += [("/v1/chat/completions", body, status) for body, status in BAD_CHATS]
+    raw = [
+        ("/v1/completions", b"{not json", 400),
+        ("/v1/completions", b"[1, 2]", 400),
+        ("/v1/completions", b"", 400),
+        ("/v1/completions", b"\xff\xfe", 400),
+        ("/v1/chat/completions", b'{"messages": [' * 10000, 400),
+        ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "top_p": Infinity}', 400),
+    ]
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        for path, body, status in cases:
+            body = {"max_tokens": 2, **body}
+            r = http.post(path, content=json.dumps(body).encode())
+            assert r.status_code == status, (body, r.text)
+            if status != 200:
+                error = r.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"} and error["message"], body
+        for path, content, status in raw:
+            r = http.post(path, content=content, headers={"content-type": "application/json"})
+            assert r.status_code == status, (content[:40], r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)]:
+            r = http.request(method, path)
+            assert r.status_code == status and r.json()["error"]["message"]
+        assert http.get("/health").status_code == 200
+
+
+def test_errors_through_the_openai_client(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=1)
+    assert err.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt=[2] * 20000, max_tokens=1)
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=2)
+
+
+# -- concurrency and cancellation -----------------------------------------------------------------
+
+
+def test_16_concurrent_clients(server: ServerThread, model: str) -> None:
+    prompts = [f"Fact number {i}: the" for i in range(4)]
+    async_client = openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300
+    )
+
+    async def one(prompt: str) -> str:
+        r = await async_client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+        return r.choices[0].text
+
+    async def run() -> tuple[list[str], list[str]]:
+        expected = [await one(p) for p in prompts]  # one at a time
+        answers = await asyncio.gather(*(one(prompts[i % 4]) for i in range(16)))
+        await async_client.close()
+        return expected, list(answers)
+
+    before = metrics(server)["vllm:request_success_total{finished_reason=length}"]
+    expected, answers = asyncio.run(run())
+    assert answers == [expected[i % 4] for i in range(16)]
+    after = metrics(server)["vllm:request_success_total{finished_reason=length}"]
+    assert after - before == 20
+
+
+def test_disconnects_cancel_and_free_blocks(server: ServerThread, model: str) -> None:
+    baseline = wait_idle(server)
+    aborted = baseline.get("vllm:request_success_total{finished_reason=abort}", 0)
+    body = {"model": model, "prompt": "Count: one, two,", "max_tokens": 500, "ignore_eos": True}
+    # A streaming client that reads two chunks and hangs up.
+    with (
+        httpx.Client(base_url=server.url, timeout=120) as http,
+        http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert next(line for line in lines if line.startswith("data:"))
+        running = metrics(server)
+        assert running["vllm:num_requests_running"] == 1
+        # KV for the whole request (prompt + 500 tokens) is reserved while it runs.
+        assert running["kvsplice:kv_cache_request_blocks"] >= 500 // 16
+    after = wait_idle(server)
+    assert after["vllm:request_success_total{finished_reason=abort}"] == aborted + 1
+    # Whatever the prefix cache keeps of it is at most the blocks of its few computed tokens.
+    assert after["kvsplice:kv_cache_used_blocks"] <= baseline["kvsplice:kv_cache_used_blocks"] + 2
+    # A non-streaming client that gives up waiting.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=3)
+    after = wait_idle(server)
+    assert after["vllm:request_success_total{finished_reason=abort}"] == aborted + 2
+    assert after["vllm:generation_tokens_total"] - baseline["vllm:generation_tokens_total"] < 500
+
+
+def test_metrics_names(server: ServerThread) -> None:
+    m = metrics(server)
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "kvsplice:prefix_hit_tokens_total",
+        "kvsplice:segment_hit_tokens_total",
+        "kvsplice:recomputed_tokens_total",
+        "kvsplice:segment_store_entries",
+    ]:
+        assert name in m, name
+    assert m["vllm:prompt_tokens_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] > 0
+    assert 0 <= m["vllm:kv_cache_usage_perc"] <= 1
+
+
+# -- a small server: full queue, engine failure, API key ------------------------------------------
+
+
+@pytest.fixture
+def small_server(default_model_dir: Path) -> Iterator[ServerThread]:
+    engine = Engine(EngineConfig(kv_cache_gb=0.02, max_num_seqs=1, max_waiting=0))
+    with ServerThread(engine, ServerConfig(api_key="secret", retry_after_s=2)) as running:
+        yield running
+
+
+def test_full_queue_engine_failure_and_api_key(small_server: ServerThread) -> None:
+    url = small_server.url + "/v1"
+    client = openai.OpenAI(base_url=url, api_key="secret", max_retries=0, timeout=120)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    model = client.models.list().data[0].id
+
+    # One request runs (max_num_seqs=1) and none may wait (max_waiting=0): the next is refused at once.
+    stream = client.completions.create(
+        model=model, prompt="Count:", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    start = time.monotonic()
+    with pytest.raises(openai.RateLimitError) as err:
+        client.completions.create(model=model, prompt="hi", max_tokens=1)
+    assert err.value.response.headers["retry-after"] == "2"
+    assert time.monotonic() - start < 30
+    stream.close()
+    wait_idle(small_server)
+
+    # A bug in the engine fails the request in flight with a 500; the server keeps serving.
+    engine = engine_of(small_server)
+
+    def broken_step() -> list:
+        raise RuntimeError("injected engine bug")
+
+    engine.step = broken_step  # type: ignore[method-assign]
+    try:
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=model, prompt="hi", max_tokens=2)
+    finally:
+        del engine.step  # type: ignore[method-assign]
+    r = client.completions.create(model=model, prompt="hi", max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert httpx.get(small_server.url + "/health").status_code == 200
+    wait_idle(small_server)
+
+
+def test_cli_has_serve() -> None:
+    from kvsplice.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--port", "0", "--max-num-seqs", "4", "--api-key", "k"])
+    assert ServerConfig.from_args(args) == ServerConfig(port=0, api_key="k")
+    assert EngineConfig.from_args(args).max_num_seqs == 4
