@@ -48,7 +48,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below vLLM's threshold a temperature only overflows the softmax: treat it as greedy.
+        return self.temperature < 1e-5
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
