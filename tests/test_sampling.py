@@ -31,7 +31,9 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
 
 def test_plain_sampling_reaches_every_token_in_proportion() -> None:
     gen = torch.Generator().manual_seed(1)
-    counts = torch.bincount(torch.tensor([sample(LOGITS, SamplingParams(), gen) for _ in range(4000)]), minlength=5)
+    counts = torch.bincount(
+        torch.tensor([sample(LOGITS, SamplingParams(), gen) for _ in range(4000)]), minlength=5
+    )
     torch.testing.assert_close(counts / 4000, LOGITS.exp(), atol=0.03, rtol=0)
 
 
