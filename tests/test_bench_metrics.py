@@ -222,3 +222,19 @@ def test_report_shows_failures_and_turns_and_round_trips_through_json() -> None:
     assert "load average 1.00 / 1.00 / 1.00 at the start" in text
     again = BenchResult.from_json(result.to_json())
     assert again == result
+
+
+def test_summary_rerenders_runs_and_draws_reuse_by_workload(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvsplice.bench import summary
+
+    records = [_record("off", "c0-0", turn=0), _record("radix", "c0-0", turn=0, prefix_hit_tokens=60)]
+    run = tmp_path / "chat"
+    run.mkdir()
+    _result(records, ["off", "radix"]).write_json(run / "results.json")
+    summary.main([str(tmp_path)])
+    assert "| chat | radix | 1,000 | – | 60% (60% + 0%) |" in capsys.readouterr().out
+    for name in ("report.md", "frontier.png", "reuse.png", "turns.png"):
+        assert (run / name).exists()
+    assert (tmp_path / "reuse_by_workload.png").exists()

@@ -133,7 +133,8 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
         + (f" after {warmups} warm-up requests" if warmups else "")
         + f" ({sizes}). Greedy continuations of {r.continuation_tokens} tokens.",
         "",
-        f"**Machine.** {m.cpu}, {m.cores} cores, torch {m.torch_version} with {m.torch_threads} threads, "
+        f"**Machine.** {m.cpu}, {m.cores} cores, torch {m.torch_version} ({m.torch_threads} "
+        f"thread{'s' if m.torch_threads != 1 else ''}), "
         f"Python {m.python}, {m.platform}{load}."
         + (f" kvsplice commit {m.git_commit}." if m.git_commit else ""),
     ]

@@ -184,7 +184,7 @@ class _Run:
                 for system in order:
                     if request.warmup and system.name == REFERENCE:
                         continue
-                    bar.set_postfix_str(f"{request.request_id} on {system.name}", refresh=False)
+                    bar.set_postfix_str(f"{request.request_id} on {system.name}")
                     results[system.name] = self._run_one(system, request)
                     bar.update()
                 if not request.warmup:
