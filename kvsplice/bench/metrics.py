@@ -75,7 +75,8 @@ class SystemSummary:
     prefix_hit_frac: float | None = None
     segment_hit_frac: float | None = None
     recomputed_frac: float | None = None
-    store_tokens_mean: float | None = None
+    # Tokens computed after the first token to fill the segment store, over the prompt tokens.
+    store_fill_frac: float | None = None
     kl_mean: float | None = None
     kl_p95: float | None = None
     top1_rate: float | None = None
@@ -192,7 +193,7 @@ def _summary(name: str, records: list[RequestRecord]) -> SystemSummary:
         prefix_hit_frac=_frac(sum(r.prefix_hit_tokens for r in ok), prompt),
         segment_hit_frac=_frac(sum(r.segment_hit_tokens for r in ok), prompt),
         recomputed_frac=_frac(sum(r.recomputed_tokens for r in ok), prompt),
-        store_tokens_mean=_mean([r.store_tokens for r in ok]),
+        store_fill_frac=_frac(sum(r.store_tokens for r in ok), prompt),
         kl_mean=_mean(kls),
         kl_p95=percentile(kls, 95),
         top1_rate=_rate(r.top1 for r in ok),

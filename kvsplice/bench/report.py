@@ -13,10 +13,11 @@ LEGEND = (
     "over the system's. computed: prompt tokens computed plus reused tokens recomputed by repair, as a "
     "share of the prompt tokens; FLOPs: estimated prefill FLOPs as a share of the full prefill's. "
     "prefix / segment: prompt tokens reused exactly from the prefix cache / moved from the segment "
-    "store. KL: mean KL(full ‖ system) of the next-token distribution at the first generated "
-    "position, in nats; top-1: same most likely first token; same N: identical greedy continuation of "
-    "N tokens. accuracy: the answer appears in the first line of the continuation. peak KV: most KV "
-    "memory the system held at the end of a prefill (docs/bench.md)."
+    "store. store fill: tokens computed after the first token to put missed segments into the store, "
+    "as a share of the prompt tokens. KL: mean KL(full ‖ system) of the next-token distribution at "
+    "the first generated position, in nats; top-1: same most likely first token; same N: identical "
+    "greedy continuation of N tokens. accuracy: the answer appears in the first line of the "
+    "continuation. peak KV: most KV memory the system held at the end of a prefill (docs/bench.md)."
 )
 
 
@@ -50,13 +51,13 @@ def _mib(value: int | None) -> str:
 def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
     header = (
         "| system | done | TTFT p50 ms | TTFT p95 ms | speedup | computed | FLOPs | prefix | segment "
-        f"| KL | top-1 | same {continuation} | accuracy | peak KV MiB |"
+        f"| store fill | KL | top-1 | same {continuation} | accuracy | peak KV MiB |"
     )
-    rows = [header, "|---|---|" + "---:|" * 12]
+    rows = [header, "|---|---|" + "---:|" * 13]
     for s in summaries:
         done = f"{s.requests - s.failed}/{s.requests}" + (f" (**{s.failed} failed**)" if s.failed else "")
         if s.failed == s.requests and s.requests:
-            rows.append(f"| {s.system} | {done} |" + " failed |" * 12)
+            rows.append(f"| {s.system} | {done} |" + " failed |" * 13)
             continue
         cells = [
             _ms(s.ttft_p50_s),
@@ -66,6 +67,7 @@ def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
             _pct(s.flops_frac, 1),
             _pct(s.prefix_hit_frac, 1),
             _pct(s.segment_hit_frac, 1),
+            _pct(s.store_fill_frac, 1),
             _kl(s.kl_mean),
             _pct(s.top1_rate),
             _pct(s.same_rate),
@@ -136,7 +138,9 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
         f"**Machine.** {m.cpu}, {m.cores} cores, torch {m.torch_version} ({m.torch_threads} "
         f"thread{'s' if m.torch_threads != 1 else ''}), "
         f"Python {m.python}, {m.platform}{load}."
-        + (f" kvsplice commit {m.git_commit}." if m.git_commit else ""),
+        + (f" kvsplice commit {m.git_commit}" if m.git_commit else "")
+        + (f" with uncommitted changes to {', '.join(m.git_modified)}" if m.git_modified else "")
+        + ("." if m.git_commit else ""),
     ]
     if r.model is not None:
         mo = r.model

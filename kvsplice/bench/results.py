@@ -28,6 +28,8 @@ class MachineInfo:
     load_start: tuple[float, float, float] | None
     load_end: tuple[float, float, float] | None = None
     git_commit: str | None = None
+    # kvsplice source files with uncommitted changes when the run started.
+    git_modified: tuple[str, ...] = ()
 
     @staticmethod
     def collect() -> MachineInfo:
@@ -39,7 +41,12 @@ class MachineInfo:
             python=platform.python_version(),
             platform=platform.platform(),
             load_start=_load(),
-            git_commit=_git_commit(),
+            git_commit=_git(["rev-parse", "--short", "HEAD"]),
+            git_modified=tuple(
+                line[3:]
+                for line in (_git(["status", "--porcelain", "--untracked-files=no"]) or "").splitlines()
+                if line[3:].startswith("kvsplice/")
+            ),
         )
 
 
@@ -90,6 +97,7 @@ class BenchResult:
         machine = raw.pop("machine")
         for key in ("load_start", "load_end"):
             machine[key] = tuple(machine[key]) if machine[key] is not None else None
+        machine["git_modified"] = tuple(machine.get("git_modified", ()))
         model = raw.pop("model")
         return BenchResult(
             machine=MachineInfo(**machine),
@@ -123,11 +131,11 @@ def end_load() -> tuple[float, float, float] | None:
     return _load()
 
 
-def _git_commit() -> str | None:
+def _git(args: list[str]) -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
+            ["git", *args],
+            cwd=Path(__file__).resolve().parents[2],
             capture_output=True,
             text=True,
             timeout=5,
