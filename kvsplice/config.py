@@ -39,6 +39,11 @@ class EngineConfig:
     repair: str = _opt("repair policy for reused segments", default="deviation")
     recompute_ratio: float = _opt("repair budget as a fraction of the reused segment tokens", default=0.15)
     recompute_tokens: int | None = _opt("repair budget in tokens (overrides the ratio)", default=None)
+    segment_context_tokens: int | None = _opt(
+        "length of the canonical context stored segments are computed after "
+        "(default: the model's sliding window + 64, or 256)",
+        default=None,
+    )
     seed: int = _opt("seed for sampling when a request gives none", default=0)
 
     def __post_init__(self) -> None:
@@ -56,6 +61,10 @@ class EngineConfig:
         _check(self.max_waiting >= 0, "max_waiting must be >= 0")
         _check(0.0 <= self.recompute_ratio <= 1.0, "recompute_ratio must be in [0, 1]")
         _check(self.recompute_tokens is None or self.recompute_tokens >= 0, "recompute_tokens must be >= 0")
+        _check(
+            self.segment_context_tokens is None or self.segment_context_tokens >= 0,
+            "segment_context_tokens must be >= 0",
+        )
         from kvsplice.cache.base import prefix_cache_names
         from kvsplice.repair import POLICY_NAMES
 

@@ -50,7 +50,7 @@ def test_plan_prints_its_spans() -> None:
     assert str(plan) == "exact[0:4) spliced[4:8) compute[8:10) spliced[10:19) compute[19:20)"
 
 
-@given(prompts(), st.floats(0, 1), st.sampled_from(["none", "boundary", "deviation", "full"]))
+@given(prompts(), st.floats(0, 1), st.sampled_from(["none", "boundary", "deviation", "recency", "full"]))
 def test_policies_choose_spliced_positions_within_budget(case, ratio, name) -> None:
     n, prefix, segments = case
     plan = make_plan(n, prefix, segments)
@@ -74,6 +74,12 @@ def test_boundary_takes_the_first_tokens_of_each_segment() -> None:
     plan = make_plan(30, 0, [(1, 11, 0), (11, 21, 1)])
     decision = make_policy("boundary").decide(plan, 5, num_layers=4)
     assert decision.recompute == (1, 2, 3, 11, 12)
+
+
+def test_recency_takes_the_reused_tokens_nearest_the_end() -> None:
+    plan = make_plan(30, 0, [(1, 11, 0), (12, 20, 1)])
+    assert make_policy("recency").decide(plan, 10, num_layers=4).recompute == (9, 10, *range(12, 20))
+    assert make_policy("recency").decide(plan, 0, num_layers=4).recompute == ()
 
 
 def test_deviation_keeps_the_most_deviating_tokens() -> None:

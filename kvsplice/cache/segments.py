@@ -1,13 +1,21 @@
 """The segment store: KV of segments computed on their own, found again by content wherever they recur.
 
-A segment is computed after a fixed canonical context (the BOS token, when the model has one), so its
-KV never depends on the prompt it first came in, and the first segment token is not made the attention
-sink: models like Gemma park huge attention weights on the first token of a sequence, and a segment
-computed from position 0 would carry that distortion into every prompt it is spliced into.
+Every segment is computed after one fixed canonical context, so its KV never depends on the prompt
+it first came in. The context is chosen to look like what precedes a document deep inside a long
+prompt: the BOS token, then a few generic documents, longer than the model's sliding window. Two
+things make this matter. Models like Gemma park huge attention weights on the first token of a
+sequence (the attention sink); a segment computed from position 0 would make its own first token a
+sink and carry that distortion into every prompt it is spliced into. And on sliding-window layers a
+token far into a prompt cannot see BOS at all; a segment computed right after BOS would learn to
+lean on a sink that, spliced deep into a prompt, is out of its reach (measured on Gemma 3 270M:
+splicing without repair has about half the next-token KL with the long context than with BOS alone).
 
-Entries live in the shared KV pool under the same budget as the prefix cache: the store holds one
-reference per block, and is a `Reclaimer` the allocator asks to drop least recently used entries
-when memory runs short. Keys are (namespace, token ids): tenants with different salts share nothing.
+The context's KV is computed once and held by the store; its length is a multiple of the block
+size, so each segment's tokens start on a block of their own and an entry holds only them. Entries
+live in the shared KV pool under the same budget as the prefix cache: the store holds one reference
+per block, and is a `Reclaimer` the allocator asks to drop least recently used entries when memory
+runs short. Keys are (namespace, token ids): tenants with different salts share nothing (the
+canonical context is public text, shared by all).
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from kvsplice.kv.allocator import BlockAllocator
 @dataclass
 class SegmentEntry:
     key: tuple[Hashable, tuple[int, ...]]
-    # Blocks of the canonical sequence: canonical context, then the segment's tokens.
+    # The segment's own blocks: token j at slot j % block_size of blocks[j // block_size], computed at
+    # canonical position len(context) + j.
     blocks: list[int]
     last_access: float = field(default_factory=time.monotonic)
 
@@ -43,9 +52,12 @@ class SegmentStoreStats:
 
 class SegmentStore:
     def __init__(self, allocator: BlockAllocator, context: tuple[int, ...]) -> None:
-        """context: the canonical context every segment is computed after."""
+        """context: the canonical context every segment is computed after, a whole number of blocks."""
+        assert len(context) % allocator.block_size == 0, "the canonical context must fill whole blocks"
         self.allocator = allocator
         self.context = context
+        # The context's KV, computed once by the engine and held here for good (None until then).
+        self.context_blocks: list[int] | None = None
         self._entries: dict[tuple[Hashable, tuple[int, ...]], SegmentEntry] = {}
         # (last_access, key) candidates for eviction; stale ones are skipped when popped.
         self._lru: list[tuple[float, int, tuple[Hashable, tuple[int, ...]]]] = []
@@ -77,7 +89,7 @@ class SegmentStore:
         """Keep the canonical sequence in `blocks`; the store takes over the caller's reference on each."""
         key = (namespace, tokens)
         assert key not in self._entries, "segment inserted twice"
-        needed = -(-(len(self.context) + len(tokens)) // self.allocator.block_size)
+        needed = -(-len(tokens) // self.allocator.block_size)
         assert len(blocks) == needed, f"{len(blocks)} blocks for {needed}"
         entry = SegmentEntry(key, blocks)
         self._entries[key] = entry

@@ -17,7 +17,7 @@ import torch
 from kvsplice.cache.base import CacheSeq, make_prefix_cache
 from kvsplice.cache.segments import SegmentStore
 from kvsplice.config import EngineConfig
-from kvsplice.engine.prefill import Prefiller
+from kvsplice.engine.prefill import Prefiller, canonical_context
 from kvsplice.engine.request import RepairSettings, Request, Status
 from kvsplice.engine.runner import DecodeItem, ModelRunner
 from kvsplice.engine.scheduler import Scheduler
@@ -68,8 +68,10 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.pool)
         self.prefix_cache = make_prefix_cache(config.prefix_cache, self.pool.allocator)
-        bos = self.tokenizer.bos_token_id if self.tokenizer and self.tokenizer.add_bos else None
-        self.segment_store = SegmentStore(self.pool.allocator, () if bos is None else (bos,))
+        context = canonical_context(
+            self.tokenizer, self.model_config, config.block_size, config.segment_context_tokens
+        )
+        self.segment_store = SegmentStore(self.pool.allocator, context)
         self.prefiller = Prefiller(
             self.runner, self.pool, self.prefix_cache, self.segment_store, self.max_model_len
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from importlib import resources
 
 import torch
 
@@ -19,6 +20,8 @@ from kvsplice.engine.runner import ModelRunner, Narrowing
 from kvsplice.errors import OutOfBlocksError
 from kvsplice.kv.pool import KVPool
 from kvsplice.kv.splice import move_kv
+from kvsplice.loader.tokenizer import Tokenizer
+from kvsplice.models.config import ModelConfig
 from kvsplice.planner import Plan, Span, SpanKind, make_plan
 from kvsplice.repair import budget_tokens, make_policy
 
@@ -135,22 +138,52 @@ class Prefiller:
         for tokens in request.pending_segments:
             if self.store.lookup(namespace, tokens) is not None:
                 continue
-            length = len(context) + len(tokens)
             try:
-                blocks = self.pool.allocator.allocate(-(-length // self.pool.block_size))
+                context_blocks = self._context_blocks()
+                blocks = self.pool.allocator.allocate(-(-len(tokens) // self.pool.block_size))
             except OutOfBlocksError:
                 break  # the store is a cache: when running requests hold the memory, it simply misses later
-            self.runner.prefill(blocks, list(context + tokens), list(range(length)), need_logits=False)
+            start = len(context)
+            positions = list(range(start, start + len(tokens)))
+            self.runner.prefill(context_blocks + blocks, list(context + tokens), positions, need_logits=False)
             self.store.insert(namespace, tokens, blocks)
-            request.metrics.segment_store_tokens += length
+            request.metrics.segment_store_tokens += len(tokens)
         request.pending_segments.clear()
+
+    def _context_blocks(self) -> list[int]:
+        """The canonical context's KV, computed the first time a segment is stored."""
+        if self.store.context_blocks is None:
+            context = self.store.context
+            blocks = self.pool.allocator.allocate(len(context) // self.pool.block_size)
+            if context:
+                self.runner.prefill(blocks, list(context), list(range(len(context))), need_logits=False)
+            self.store.context_blocks = blocks
+        return self.store.context_blocks
 
     def _place(self, table: list[int], span: Span, entry: SegmentEntry) -> None:
         """Move a stored segment's KV (from its token span.segment_offset on) to the span's positions."""
         device = self.pool.device
-        start, end, offset = span.start, span.end, span.segment_offset
-        src_pos = torch.arange(end - start, device=device) + self.store.start_position + offset
-        src = self.pool.slots(entry.blocks, src_pos)
-        dst_pos = torch.arange(start, end, device=device)
+        local = torch.arange(span.end - span.start, device=device) + span.segment_offset
+        dst_pos = torch.arange(span.start, span.end, device=device)
+        src = self.pool.slots(entry.blocks, local)
         dst = self.pool.slots(table, dst_pos)
-        move_kv(self.pool, self.runner.cfg, self.runner.freqs, src, dst, dst_pos - src_pos)
+        delta = dst_pos - self.store.start_position - local
+        move_kv(self.pool, self.runner.cfg, self.runner.freqs, src, dst, delta)
+
+
+def canonical_context(
+    tokenizer: Tokenizer | None, cfg: ModelConfig, block_size: int, length: int | None
+) -> tuple[int, ...]:
+    """The context every stored segment is computed after: BOS (when the model expects one), then
+    generic documents, cut to `length` tokens rounded up to whole blocks (None: the model's sliding
+    window plus 64, or 256 tokens for a model without one). Empty for a model without a tokenizer."""
+    if tokenizer is None:
+        return ()
+    if length is None:
+        length = cfg.sliding_window + 64 if cfg.sliding_window else 256
+    length = -(-length // block_size) * block_size
+    bos = [tokenizer.bos_token_id] if tokenizer.add_bos and tokenizer.bos_token_id is not None else []
+    text = (resources.files("kvsplice") / "data" / "segment_context.txt").read_text()
+    filler = tokenizer.encode(text)
+    tokens = bos + filler * (1 + length // len(filler))
+    return tuple(tokens[:length])

@@ -52,13 +52,30 @@ def attend(
         # A plain prefill: the mask is the causal triangle, whose upper half SDPA can skip.
         return _sdpa(q, k, v, None, scale)
     outs = []
-    for start in range(0, tokens, QUERY_TILE):
-        tile_pos = q_pos[:, start : start + QUERY_TILE]
+    for start, end in _tiles(q_pos, window):
+        tile_pos = q_pos[:, start:end]
         lo = 0 if window is None else int(torch.searchsorted(k_pos, tile_pos[:, :1] - window + 1).min())
         hi = int(torch.searchsorted(k_pos, tile_pos[:, -1:], right=True).max())
         mask = visibility(tile_pos, k_pos[:, lo:hi], window)
-        outs.append(_sdpa(q[:, start : start + QUERY_TILE], k[:, lo:hi], v[:, lo:hi], mask, scale))
+        outs.append(_sdpa(q[:, start:end], k[:, lo:hi], v[:, lo:hi], mask, scale))
     return torch.cat(outs, dim=1)
+
+
+def _tiles(q_pos: torch.Tensor, window: int | None) -> list[tuple[int, int]]:
+    """Consecutive query ranges of at most QUERY_TILE queries; on a windowed layer each range also
+    spans fewer than `window` positions, so that a sparse set of queries scattered over a long
+    sequence (sparse repair) reads about 2 * window keys per tile, not the whole sequence."""
+    tokens = q_pos.shape[1]
+    if window is None or q_pos.shape[0] > 1:
+        return [(start, min(start + QUERY_TILE, tokens)) for start in range(0, tokens, QUERY_TILE)]
+    pos = q_pos[0]
+    ends = torch.searchsorted(pos, pos + window).tolist()  # first query at or beyond each one's window span
+    tiles, start = [], 0
+    while start < tokens:
+        end = min(ends[start], start + QUERY_TILE)
+        tiles.append((start, end))
+        start = end
+    return tiles
 
 
 def _sdpa(

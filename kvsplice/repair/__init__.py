@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from kvsplice.repair.base import RepairDecision, RepairPolicy
-from kvsplice.repair.policies import BoundaryRepair, DeviationRepair, FullRepair, NoRepair
+from kvsplice.repair.policies import BoundaryRepair, DeviationRepair, FullRepair, NoRepair, RecencyRepair
 
 POLICIES: dict[str, type[RepairPolicy]] = {
-    cls.name: cls for cls in (NoRepair, BoundaryRepair, DeviationRepair, FullRepair)
+    cls.name: cls for cls in (NoRepair, BoundaryRepair, DeviationRepair, RecencyRepair, FullRepair)
 }
 POLICY_NAMES = tuple(POLICIES)
 

@@ -1,0 +1,71 @@
+"""Splicing on the default model (Gemma 3 270M): exact where it must be, and the repair policies ordered
+as measured. Synthetic documents, so the test needs no data set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsplice import LLM, SamplingParams, Segment
+
+pytestmark = pytest.mark.slow
+
+DOCS = [
+    "The Larkspur Observatory\nThe Larkspur Observatory stands on a ridge above the town of Emmerich. "
+    + "It was founded by a society of amateur astronomers who pooled their savings to buy a telescope. " * 6,
+    "River Transport in the Valley\nBarges carried timber and ore down the Velde river for two centuries. "
+    + "Each barge was towed by horses walking along a path beside the water. " * 7,
+    "The Guild of Clockmakers\nThe clockmakers of Aubel formed a guild to set prices and train apprentices. "
+    + "An apprentice served seven years before presenting a finished clock to the masters. " * 6,
+]
+QUESTION = "Question: Who founded the Larkspur Observatory?\nAnswer:"
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, return_first_logits=True)
+
+
+def _prompt(order: list[int], segments: bool = True) -> list:
+    return [
+        "Answer from the documents.\n\n",
+        *(Segment(DOCS[i]) if segments else DOCS[i] for i in order),
+        QUESTION,
+    ]
+
+
+@pytest.fixture(scope="module")
+def spliced(default_model_dir) -> LLM:
+    llm = LLM(prefix_cache="radix", kv_cache_gb=0.5)
+    llm.generate([_prompt([0, 1, 2])], PARAMS)
+    return llm
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
+    return float(torch.sum(p.softmax(-1) * (p.log_softmax(-1) - q.log_softmax(-1))))
+
+
+def test_canonical_context_is_longer_than_the_window_and_block_aligned(spliced: LLM) -> None:
+    engine = spliced.engine
+    context = engine.segment_store.context
+    assert context[0] == spliced.tokenizer.bos_token_id
+    assert len(context) > engine.model_config.sliding_window
+    assert len(context) % engine.pool.block_size == 0
+
+
+def test_full_repair_equals_the_full_prefill(spliced: LLM, llm: LLM) -> None:
+    order = [2, 0, 1]
+    got = spliced.generate([_prompt(order)], PARAMS, repair="full")[0]
+    want = llm.generate([_prompt(order, segments=False)], PARAMS)[0]
+    assert got.metrics.segment_hit_tokens > 0
+    torch.testing.assert_close(got.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)
+    assert got.token_ids == want.token_ids
+
+
+def test_repair_brings_the_answer_distribution_closer(spliced: LLM, llm: LLM) -> None:
+    order = [1, 2, 0]
+    want = llm.generate([_prompt(order, segments=False)], PARAMS)[0].first_logits
+    kl = {
+        policy: _kl(
+            want,
+            spliced.generate([_prompt(order)], PARAMS, repair=policy, recompute_ratio=0.3)[0].first_logits,
+        )
+        for policy in ("none", "recency", "full")
+    }
+    assert kl["full"] < 1e-4 < kl["recency"] < kl["none"], kl
