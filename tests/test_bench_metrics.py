@@ -24,6 +24,7 @@ from kvsplice.bench.report import markdown, summary_table
 from kvsplice.bench.results import BenchResult, MachineInfo
 from kvsplice.bench.systems import WordHashEncoder, default_systems, parse_systems, prompt_parts
 from kvsplice.prompt import Segment
+from kvsplice.repair import POLICY_NAMES
 
 
 def test_kl_of_known_distributions() -> None:
@@ -85,6 +86,7 @@ def test_compare_against_the_reference() -> None:
     logits = torch.tensor([1.0, 2.0, 3.0])
     compare(rec, ref, logits, logits)
     assert rec.kl == 0.0 and rec.top1 is True and rec.same_continuation is False
+    assert rec.matched_tokens == 2
     assert rec.ttft_speedup == 4.0 and rec.reference_flops == 1000.0
 
 
@@ -127,7 +129,7 @@ def test_summaries_count_failures_and_average_over_completed_requests() -> None:
     lines = table.splitlines()
     assert "same 16" in lines[0]
     assert "1/2 (**1 failed**)" in lines[3]
-    assert lines[4].startswith("| hash | 0/2 (**2 failed**) |") and lines[4].count("failed") == 14
+    assert lines[4].startswith("| hash | 0/2 (**2 failed**) |") and lines[4].count("failed") == 15
 
 
 def test_per_turn_rows() -> None:
@@ -146,26 +148,34 @@ def test_per_turn_rows() -> None:
 
 def test_system_names_expand_without_pointless_duplicates() -> None:
     names = [s.name for s in parse_systems(["hash,radix", "splice"], [0, 5, 10, 100])]
+    between = [p for p in POLICY_NAMES if p not in ("none", "full")]
     assert names == [
         "off",
         "hash",
         "radix",
         "splice:none@0",
-        "splice:boundary@5",
-        "splice:boundary@10",
-        "splice:deviation@5",
-        "splice:deviation@10",
+        *(f"splice:{p}@{b}" for p in between for b in (5, 10)),
         "splice:full@100",
     ]
+    assert {"boundary", "deviation"} <= set(between)
     assert [s.name for s in parse_systems(["splice:deviation@15", "splice:deviation@15.0"])] == [
         "off",
         "splice:deviation@15",
     ]
     assert parse_systems(["splice:full"])[1].recompute_ratio == 1.0
     default = default_systems("rag")
-    assert default[0].name == "off" and len(default) == 13
+    assert default[0].name == "off" and len(default) == 3 + 2 + 4 * len(between)
     assert {s.engine_key for s in default} == {"off", "hash", "radix", "splice"}
-    assert len({s.cache_salt for s in default if s.splices}) == 10
+    assert len({s.cache_salt for s in default if s.splices}) == 2 + 4 * len(between)
+    chat = [s.name for s in default_systems("chat")]
+    assert chat == [
+        "off",
+        "hash",
+        "radix",
+        "splice:none@0",
+        *(f"splice:{p}@15" for p in between),
+        "splice:full@100",
+    ]
     for bad in ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150"):
         with pytest.raises(ValueError):
             parse_systems([bad])

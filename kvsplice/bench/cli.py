@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from kvsplice.bench.base import WorkloadSpec
-from kvsplice.bench.systems import DEFAULT_BUDGETS, DEFAULT_SYSTEMS, parse_systems
+from kvsplice.bench.systems import DEFAULT_BUDGETS, DEFAULT_WORKLOAD_BUDGETS, default_budgets, parse_systems
 from kvsplice.bench.workloads import make_workload
 from kvsplice.errors import ConfigError
 
@@ -41,14 +41,16 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="off, hash, radix, splice (every policy and budget), splice:<policy>, "
         "splice:<policy>@<percent>; space- or comma-separated. off, the reference, always runs. "
-        "Default: " + "; ".join(f"{w}: {','.join(s)}" for w, s in DEFAULT_SYSTEMS.items()),
+        "Default: off hash radix splice.",
     )
     parser.add_argument(
         "--budgets",
         nargs="+",
         default=None,
         help="repair budgets in percent of the reused segment tokens, for systems named without one "
-        f"(default: {' '.join(f'{b:g}' for b in DEFAULT_BUDGETS)}; none runs at 0 only, full at 100 only)",
+        f"(default: {' '.join(f'{b:g}' for b in DEFAULT_BUDGETS)}; "
+        + "; ".join(f"{w}: {' '.join(f'{b:g}' for b in bs)}" for w, bs in DEFAULT_WORKLOAD_BUDGETS.items())
+        + "; none runs at 0 only, full at 100 only)",
     )
     sizes = parser.add_argument_group("workload sizes (defaults per workload)")
     sizes.add_argument(
@@ -84,7 +86,7 @@ def _bench(args: argparse.Namespace) -> None:
     from kvsplice.bench.runner import BenchConfig, run_bench
 
     try:
-        budgets = tuple(_numbers(" ".join(args.budgets))) if args.budgets else DEFAULT_BUDGETS
+        budgets = tuple(_numbers(" ".join(args.budgets))) if args.budgets else None
         spec = WorkloadSpec(
             requests=args.requests,
             seed=args.seed,
@@ -113,7 +115,7 @@ def _bench(args: argparse.Namespace) -> None:
             raise ValueError("--continuation must be >= 1")
         # Bad names and sizes are the user's mistake: one line, before any model loads.
         workload = make_workload(args.workload, spec)
-        parse_systems(config.systems, budgets)
+        parse_systems(config.systems, budgets or default_budgets(args.workload))
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from err
     result = run_bench(config, workload)

@@ -4,7 +4,8 @@ prefill of the same request, and the per-system (and per-turn) summaries the rep
 Definitions (docs/bench.md has the long form):
 - KL: KL(full || system) of the next-token distributions at the first generated position, in nats.
 - top-1: the argmax of both distributions is the same token.
-- same N: the greedy continuations (up to N tokens, or EOS) are identical token for token.
+- same N: the greedy continuations (up to N tokens, or EOS) are identical token for token; match:
+  how many leading tokens they share, on average.
 - computed: prompt tokens computed from scratch plus reused tokens recomputed by repair, over the
   prompt tokens; FLOPs: the system's estimated prefill FLOPs over the full prefill's.
 - accuracy: one of the request's answers appears (case-insensitively) in the first non-empty line
@@ -49,6 +50,8 @@ class RequestRecord:
     kl: float | None = None
     top1: bool | None = None
     same_continuation: bool | None = None
+    # Leading tokens of the greedy continuation equal to the full prefill's.
+    matched_tokens: int | None = None
     # The full prefill's estimated FLOPs for the same request.
     reference_flops: float | None = None
     ttft_speedup: float | None = None
@@ -81,6 +84,8 @@ class SystemSummary:
     kl_p95: float | None = None
     top1_rate: float | None = None
     same_rate: float | None = None
+    # Mean leading tokens of the continuation equal to the full prefill's.
+    matched_mean: float | None = None
     accuracy: float | None = None
     peak_kv_bytes: int | None = None
 
@@ -122,6 +127,16 @@ def is_correct(text: str, answers: Iterable[str]) -> bool:
     return any(answer.lower() in line for answer in answers)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two continuations share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0..100), linearly interpolated between order statistics; None if empty."""
     if not values:
@@ -139,6 +154,7 @@ def compare(
     record.kl = kl_divergence(ref_logits, logits)
     record.top1 = top1_agree(ref_logits, logits)
     record.same_continuation = record.token_ids == reference.token_ids
+    record.matched_tokens = common_prefix(record.token_ids, reference.token_ids)
     record.reference_flops = reference.prefill_flops
     if record.ttft_s > 0:
         record.ttft_speedup = reference.ttft_s / record.ttft_s
@@ -198,6 +214,7 @@ def _summary(name: str, records: list[RequestRecord]) -> SystemSummary:
         kl_p95=percentile(kls, 95),
         top1_rate=_rate(r.top1 for r in ok),
         same_rate=_rate(r.same_continuation for r in ok),
+        matched_mean=_mean([r.matched_tokens for r in ok if r.matched_tokens is not None]),
         accuracy=_rate(r.correct for r in ok),
         peak_kv_bytes=max(r.kv_peak_bytes for r in ok),
     )

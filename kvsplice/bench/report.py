@@ -16,7 +16,8 @@ LEGEND = (
     "store. store fill: tokens computed after the first token to put missed segments into the store, "
     "as a share of the prompt tokens. KL: mean KL(full ‖ system) of the next-token distribution at "
     "the first generated position, in nats; top-1: same most likely first token; same N: identical "
-    "greedy continuation of N tokens. accuracy: the answer appears in the first line of the "
+    "greedy continuation of N tokens; match: mean leading tokens of the continuation equal to the full "
+    "prefill's. accuracy: the answer appears in the first line of the "
     "continuation. peak KV: most KV memory the system held at the end of a prefill (docs/bench.md)."
 )
 
@@ -51,13 +52,13 @@ def _mib(value: int | None) -> str:
 def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
     header = (
         "| system | done | TTFT p50 ms | TTFT p95 ms | speedup | computed | FLOPs | prefix | segment "
-        f"| store fill | KL | top-1 | same {continuation} | accuracy | peak KV MiB |"
+        f"| store fill | KL | top-1 | same {continuation} | match | accuracy | peak KV MiB |"
     )
-    rows = [header, "|---|---|" + "---:|" * 13]
+    rows = [header, "|---|---|" + "---:|" * 14]
     for s in summaries:
         done = f"{s.requests - s.failed}/{s.requests}" + (f" (**{s.failed} failed**)" if s.failed else "")
         if s.failed == s.requests and s.requests:
-            rows.append(f"| {s.system} | {done} |" + " failed |" * 13)
+            rows.append(f"| {s.system} | {done} |" + " failed |" * 14)
             continue
         cells = [
             _ms(s.ttft_p50_s),
@@ -71,6 +72,7 @@ def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
             _kl(s.kl_mean),
             _pct(s.top1_rate),
             _pct(s.same_rate),
+            "–" if s.matched_mean is None else f"{s.matched_mean:.1f}",
             _pct(s.accuracy),
             _mib(s.peak_kv_bytes),
         ]

@@ -33,11 +33,11 @@ from kvsplice.bench.base import BenchRequest, Workload, WorkloadSpec
 from kvsplice.bench.metrics import RequestRecord, compare, is_correct, per_turn, summarize
 from kvsplice.bench.results import BenchResult, MachineInfo, ModelInfo, end_load
 from kvsplice.bench.systems import (
-    DEFAULT_BUDGETS,
     REFERENCE,
     SPLICE_ENGINE,
     System,
     WordHashEncoder,
+    default_budgets,
     default_systems,
     parse_systems,
     prompt_parts,
@@ -60,7 +60,8 @@ class BenchConfig:
     spec: WorkloadSpec = field(default_factory=WorkloadSpec)
     # System names (see systems.py); empty: the workload's default set.
     systems: tuple[str, ...] = ()
-    budgets: tuple[float, ...] = DEFAULT_BUDGETS
+    # Budgets (percent) for systems named without one; None: the workload's default.
+    budgets: tuple[float, ...] | None = None
     # Greedy continuation length compared with the reference's.
     continuation: int = 16
     model: str | None = None
@@ -132,8 +133,10 @@ class _Run:
             if any(s.engine_key == key for s in self.systems):
                 need[key], floor[key] = sum(requests) + 1, max(requests) + 1
         if num_splice:
-            need[SPLICE_ENGINE] = num_splice * (sum(requests) + doc_blocks) + 1
-            floor[SPLICE_ENGINE] = max(requests) + num_splice * doc_blocks + 1
+            # The segment store also holds its canonical context once (about the sliding window).
+            context = -(-((self.model_cfg.sliding_window or 256) + 64) // bs) + 1
+            need[SPLICE_ENGINE] = num_splice * (sum(requests) + doc_blocks) + context + 1
+            floor[SPLICE_ENGINE] = max(requests) + num_splice * doc_blocks + context + 1
         cap = int(self.config.kv_cache_gb * GIB // self.block_bytes)
         blocks = dict(need)
         if sum(need.values()) > cap:
@@ -269,7 +272,7 @@ def run_bench(config: BenchConfig, workload: Workload | None = None) -> BenchRes
     t0 = time.perf_counter()
     workload = workload or make_workload(config.workload, config.spec)
     if config.systems:
-        systems = parse_systems(config.systems, config.budgets)
+        systems = parse_systems(config.systems, config.budgets or default_budgets(workload.name))
     else:
         systems = default_systems(workload.name, config.budgets)
     machine = MachineInfo.collect()

@@ -1,5 +1,5 @@
-"""Across runs: re-render each run's report and plots from its results.json, draw reuse per workload,
-and print one compact table over the workloads.
+"""Across runs: re-render each run's results, report and plots from its results.json (no model runs),
+draw reuse per workload, and print one compact table over the workloads.
 
     python -m kvsplice.bench.summary bench/results        # every */results.json below it
 """
@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from kvsplice.bench.metrics import SystemSummary
+from kvsplice.bench.metrics import SystemSummary, common_prefix, per_turn, summarize
 from kvsplice.bench.plots import write_plots
 from kvsplice.bench.report import _ms, _pct, _times, markdown
 from kvsplice.bench.results import BenchResult
@@ -28,8 +28,23 @@ def load(root: Path) -> list[tuple[Path, BenchResult]]:
     return [(p.parent, BenchResult.from_json(p.read_text())) for p in sorted(root.glob("*/results.json"))]
 
 
+def refresh(result: BenchResult) -> None:
+    """Recompute what derives from the records alone (continuation match, summaries, per-turn rows),
+    so that results written by an earlier version gain the current measures. KL and top-1 need the
+    logits, which are not kept: they stay as recorded."""
+    reference = {r.request_id: r for r in result.records if r.system == result.systems[0] and r.ok}
+    for record in result.records:
+        ref = reference.get(record.request_id)
+        if record.ok and not record.warmup and ref is not None:
+            record.matched_tokens = common_prefix(record.token_ids, ref.token_ids)
+    result.summaries = summarize(result.records, result.systems)
+    result.turns = per_turn(result.records, result.systems) if result.turns else []
+
+
 def rerender(result: BenchResult, out: Path) -> None:
-    """report.md and the plots again, from the recorded results (no model runs)."""
+    """results.json, report.md and the plots again, from the recorded results (no model runs)."""
+    refresh(result)
+    result.write_json(out / "results.json")
     names = write_plots(result, out)
     (out / "report.md").write_text(markdown(result, names))
 
@@ -70,8 +85,8 @@ def reuse_by_workload(results: list[BenchResult], path: Path) -> None:
 def table(results: list[BenchResult]) -> str:
     rows = [
         "| workload | system | TTFT p50 ms | speedup | reused (prefix + segment) | computed | KL | same N "
-        "| accuracy |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| match | accuracy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for result in results:
         ref = result.summaries[0]
@@ -81,7 +96,8 @@ def table(results: list[BenchResult]) -> str:
             rows.append(
                 f"| {result.workload} | {s.system} | {_ms(s.ttft_p50_s)} | {_times(s.speedup_p50)} | "
                 f"{_pct(reused)} ({_pct(s.prefix_hit_frac)} + {_pct(s.segment_hit_frac)}) | "
-                f"{_pct(s.computed_frac)} | {kl} | {_pct(s.same_rate)} | {_pct(s.accuracy)} |"
+                f"{_pct(s.computed_frac)} | {kl} | {_pct(s.same_rate)} | "
+                f"{'–' if s.matched_mean is None else f'{s.matched_mean:.1f}'} | {_pct(s.accuracy)} |"
             )
     return "\n".join(rows)
 

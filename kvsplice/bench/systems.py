@@ -7,8 +7,8 @@
                             with a budget of <pct>% of the reused segment tokens.
 
 `splice` alone stands for every policy at every budget, `splice:<policy>` for one policy at every
-budget; `none` runs only at 0% and `full` only at 100% (anything else would duplicate them), and
-boundary and deviation run at the budgets strictly between.
+budget; `none` runs only at 0% and `full` only at 100% (anything else would duplicate them), and the
+other policies run at the budgets strictly between.
 
 All splice systems share one engine: the policy and budget are per-request arguments, and each system
 has its own cache salt, so its prefix cache and segment store are its own.
@@ -28,15 +28,11 @@ REFERENCE = "off"
 PREFIX_SYSTEMS = ("off", "hash", "radix")
 DEFAULT_BUDGETS = (0.0, 5.0, 10.0, 15.0, 30.0, 100.0)
 SPLICE_ENGINE = "splice"
-# The default systems of each workload: the full sweep where documents recur in new orders, a few
-# where the prompts mostly extend each other.
-DEFAULT_SYSTEMS = {
-    "rag": ("off", "hash", "radix", "splice"),
-    "qa": ("off", "hash", "radix", "splice"),
-    "fewshot": ("off", "hash", "radix", "splice"),
-    "chat": ("off", "hash", "radix", "splice:none@0", "splice:deviation@15", "splice:full@100"),
-    "agent": ("off", "hash", "radix", "splice:none@0", "splice:deviation@15", "splice:full@100"),
-}
+# The default systems of each workload: off, hash, radix and every repair policy; rag, qa and fewshot
+# (documents recur in new orders) sweep the budgets, chat and agent (prompts mostly extend each
+# other) run each policy at 15%.
+DEFAULT_SYSTEMS = ("off", "hash", "radix", "splice")
+DEFAULT_WORKLOAD_BUDGETS = {"chat": (0.0, 15.0, 100.0), "agent": (0.0, 15.0, 100.0)}
 
 
 @dataclass(frozen=True)
@@ -118,8 +114,12 @@ def parse_systems(names: Sequence[str], budgets: Sequence[float] = DEFAULT_BUDGE
     return [reference, *systems.values()]
 
 
-def default_systems(workload: str, budgets: Sequence[float] = DEFAULT_BUDGETS) -> list[System]:
-    return parse_systems(DEFAULT_SYSTEMS.get(workload, DEFAULT_SYSTEMS["rag"]), budgets)
+def default_budgets(workload: str) -> tuple[float, ...]:
+    return DEFAULT_WORKLOAD_BUDGETS.get(workload, DEFAULT_BUDGETS)
+
+
+def default_systems(workload: str, budgets: Sequence[float] | None = None) -> list[System]:
+    return parse_systems(DEFAULT_SYSTEMS, default_budgets(workload) if budgets is None else budgets)
 
 
 def prompt_parts(
