@@ -17,7 +17,9 @@ from safetensors import safe_open
 
 import kvsplice.loader.gguf as gguf_loader
 from kvsplice.errors import ModelLoadError
-from kvsplice.loader.gguf import CONVERTED_FILES, MARKER_FILE, convert_gguf, gemma3_config
+from kvsplice.loader.gguf import CONVERTED_FILES, MARKER_FILE, convert_gguf
+from kvsplice.loader.gguf_tokenizer import GgufVocab
+from kvsplice.loader.gguf_weights import gemma3_config, hf_tensor_name
 from kvsplice.loader.tokenizer import Tokenizer
 
 # ------------------------------------------------------------------------------------- tiny GGUFs
@@ -178,7 +180,7 @@ def test_an_interrupted_conversion_leaves_nothing_that_looks_complete(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf_loader, "_write_safetensors", interrupted)
+    monkeypatch.setattr(gguf_loader, "write_safetensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(tiny_gguf, tmp_path / "cache")
     assert [entry.name for entry in (tmp_path / "cache").iterdir()] == ["sha256-index.json"]
@@ -247,7 +249,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 def test_config_follows_optional_gemma3_metadata() -> None:
     """Keys newer or larger Gemma 3 GGUFs carry: SWA rope base and pattern, linear rope scaling."""
-    vocab = gguf_loader.GgufVocab(["<pad>"], [3], None, None, 0, None, True, False, None)
+    vocab = GgufVocab(["<pad>"], [3], None, None, 0, None, True, False, None)
     metadata = {
         "gemma3.block_count": 4, "gemma3.embedding_length": 8, "gemma3.feed_forward_length": 16,
         "gemma3.attention.head_count": 2, "gemma3.attention.head_count_kv": 1,
@@ -358,7 +360,7 @@ def test_dequantisation_matches_independent_implementations(default_gguf_path: P
                 expected = torch.from_numpy(_q5_0_oracle(blocks))
             else:
                 expected = dequant.dequantize(torch.from_numpy(blocks), ggml_type)
-            ours = converted.get_slice(gguf_loader._hf_name(name))[:rows]
+            ours = converted.get_slice(hf_tensor_name(name))[:rows]
             torch.testing.assert_close(ours, expected.reshape(rows, columns), rtol=1e-6, atol=1e-7, msg=name)
 
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsplice.errors import InvalidRequestError, ModelLoadError
-from kvsplice.loader.gguf import GEMMA3_CHAT_TEMPLATE
+from kvsplice.loader.gguf_tokenizer import GEMMA3_CHAT_TEMPLATE
 from kvsplice.loader.tokenizer import IncrementalDecoder, Tokenizer
 
 TEXTS = [
