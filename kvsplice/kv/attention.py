@@ -54,8 +54,9 @@ def attend(
     outs = []
     for start, end in _tiles(q_pos, window):
         tile_pos = q_pos[:, start:end]
-        lo = 0 if window is None else int(torch.searchsorted(k_pos, tile_pos[:, :1] - window + 1).min())
-        hi = int(torch.searchsorted(k_pos, tile_pos[:, -1:], right=True).max())
+        first, last = tile_pos[:, :1].contiguous(), tile_pos[:, -1:].contiguous()
+        lo = 0 if window is None else int(torch.searchsorted(k_pos, first - window + 1).min())
+        hi = int(torch.searchsorted(k_pos, last, right=True).max())
         mask = visibility(tile_pos, k_pos[:, lo:hi], window)
         outs.append(_sdpa(q[:, start:end], k[:, lo:hi], v[:, lo:hi], mask, scale))
     return torch.cat(outs, dim=1)
