@@ -80,6 +80,7 @@ def test_tiling_reads_only_visible_keys_and_matches(monkeypatch) -> None:
     for window in (None, 7):
         whole = attend(q[:, sub[0]], sub, k, v, pos, scale=0.5, window=window)
         monkeypatch.setattr(attention, "QUERY_TILE", 3)
+        monkeypatch.setattr(attention, "WINDOWED_QUERY_TILE", 2)
         tiled = attend(q[:, sub[0]], sub, k, v, pos, scale=0.5, window=window)
         monkeypatch.undo()
         torch.testing.assert_close(tiled, whole)
