@@ -18,6 +18,7 @@ from safetensors import safe_open
 import kvsplice.loader.gguf as gguf_loader
 from kvsplice.errors import ModelLoadError
 from kvsplice.loader.gguf import CONVERTED_FILES, MARKER_FILE, convert_gguf
+from kvsplice.loader.gguf_file import read_gguf
 from kvsplice.loader.gguf_tokenizer import GgufVocab
 from kvsplice.loader.gguf_weights import gemma3_config, hf_tensor_name
 from kvsplice.loader.tokenizer import Tokenizer
@@ -73,9 +74,11 @@ def gguf_name(hf_name: str) -> str:
     return hf_name
 
 
-def write_tiny_gguf(path: Path, arch: str = "gemma3", seed: int = 0) -> Path:
+def write_tiny_gguf(
+    path: Path, arch: str = "gemma3", seed: int = 0, endianess: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE
+) -> Path:
     """A gemma3 GGUF as llama.cpp writes one: HF-layout arrays under GGUF names, norms stored as 1 + w."""
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, endianess=endianess)
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(LAYERS)
@@ -231,6 +234,28 @@ def test_not_a_gguf(tmp_path: Path) -> None:
     path.write_text("definitely not a model")
     with pytest.raises(ModelLoadError, match="not a GGUF file"):
         convert_gguf(path, tmp_path / "cache")
+
+
+@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_header_reader_matches_gguf_py(tmp_path: Path, endianess: gguf.GGUFEndian) -> None:
+    """read_gguf against gguf-py's own (much slower) GGUFReader: the same values and tensor data."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", endianess=endianess)
+    ours, theirs = read_gguf(path), gguf.GGUFReader(path)
+    expected = {
+        name: field.contents() for name, field in theirs.fields.items() if not name.startswith("GGUF.")
+    }
+    assert ours.metadata == expected
+    assert [type(value) for value in ours.metadata["tokenizer.ggml.scores"]] == [float] * len(TINY_TOKENS)
+    assert len(ours.tensors) == len(theirs.tensors)
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.n_elements) == (
+            reference.name,
+            reference.tensor_type,
+            reference.n_elements,
+        )
+        assert mine.shape == tuple(int(dim) for dim in reference.shape)
+        assert mine.data.dtype == reference.data.dtype
+        np.testing.assert_array_equal(mine.data, reference.data)
 
 
 def test_truncated_gguf(tiny_gguf: Path, tmp_path: Path) -> None:

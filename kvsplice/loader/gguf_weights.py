@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvsplice.errors import ModelLoadError
+from kvsplice.loader.gguf_file import GgufTensor
 from kvsplice.loader.gguf_tokenizer import GgufVocab
 
 # Dequantise this many values at a time, so the 262144 x 640 embedding never exists twice in memory.
@@ -51,7 +52,7 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 class TensorPlan(NamedTuple):
     """One GGUF tensor and where it goes in model.safetensors."""
 
-    tensor: gguf.ReaderTensor
+    tensor: GgufTensor
     hf_name: str
     shape: tuple[int, ...]  # Hugging Face order: [out_features, in_features] for a linear weight
 
@@ -123,11 +124,11 @@ def gemma3_config(metadata: dict[str, Any], vocab: GgufVocab, tied: bool) -> dic
     }
 
 
-def plan_tensors(reader: gguf.GGUFReader, config: dict[str, Any], path: Path) -> list[TensorPlan]:
+def plan_tensors(tensors: list[GgufTensor], config: dict[str, Any], path: Path) -> list[TensorPlan]:
     """Name and check every tensor before writing anything: unknown, missing or misshapen ones fail."""
     expected = _expected_shapes(config)
     plans = []
-    for tensor in reader.tensors:
+    for tensor in tensors:
         hf_name = hf_tensor_name(tensor.name)
         if hf_name is None or hf_name not in expected:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for this gemma3 config")
