@@ -18,7 +18,7 @@ def default_gguf_path() -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir(default_gguf_path: Path) -> Path:
     """The default model converted to a Hugging Face-style directory, in the user's kvsplice cache
-    (~25 s the first time, then cached)."""
+    (~10 s the first time, then cached)."""
     return convert_gguf(default_gguf_path)
 
 

@@ -67,8 +67,9 @@ def attend(
 
 def _tiles(q_pos: torch.Tensor, window: int | None) -> list[tuple[int, int]]:
     """Consecutive query ranges of at most QUERY_TILE queries; on a windowed layer of at most
-    WINDOWED_QUERY_TILE, each also spanning fewer than `window` positions, so that a sparse set of queries scattered over a long
-    sequence (sparse repair) reads about 2 * window keys per tile, not the whole sequence."""
+    WINDOWED_QUERY_TILE, each also spanning fewer than `window` positions, so that a sparse set of
+    queries scattered over a long sequence (sparse repair) reads about 2 * window keys per tile,
+    not the whole sequence."""
     tokens = q_pos.shape[1]
     if window is None or q_pos.shape[0] > 1:
         return [(start, min(start + QUERY_TILE, tokens)) for start in range(0, tokens, QUERY_TILE)]
