@@ -265,6 +265,17 @@ def test_truncated_gguf(tiny_gguf: Path, tmp_path: Path) -> None:
         convert_gguf(truncated, tmp_path / "cache")
 
 
+def test_corrupt_block_count_is_refused_before_building_per_layer_tables(tmp_path: Path) -> None:
+    path = tmp_path / "corrupt.gguf"
+    data = bytearray(write_tiny_gguf(tmp_path / "tiny.gguf").read_bytes())
+    key = b"gemma3.block_count"
+    at = data.index(key) + len(key) + 4  # then the value type (uint32), then the value
+    data[at : at + 4] = (14_000_000).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="block_count"):
+        convert_gguf(path, tmp_path / "cache")
+
+
 def test_unsupported_architecture(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "llama.gguf", arch="llama")
     with pytest.raises(ModelLoadError, match=r"'llama' model; kvsplice converts only the 'gemma3'"):

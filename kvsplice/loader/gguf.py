@@ -206,6 +206,11 @@ def _convert_into(path: Path, out_dir: Path) -> None:
         )
     vocab = read_vocab(metadata, path)
     tensor_names = {tensor.name for tensor in gguf_file.tensors}
+    layers = metadata.get("gemma3.block_count")
+    # Every layer has several tensors: a count beyond the tensor table is a corrupt header, and
+    # building per-layer tables for it could exhaust memory.
+    if not isinstance(layers, int) or not 0 < layers <= len(tensor_names):
+        raise ModelLoadError(f"{path} has an invalid gemma3.block_count {layers!r}")
     config = gemma3_config(metadata, vocab, tied="output.weight" not in tensor_names)
     plans = plan_tensors(gguf_file.tensors, config, path)
 
