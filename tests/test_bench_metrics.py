@@ -248,3 +248,16 @@ def test_summary_rerenders_runs_and_draws_reuse_by_workload(
     for name in ("report.md", "frontier.png", "reuse.png", "turns.png"):
         assert (run / name).exists()
     assert (tmp_path / "reuse_by_workload.png").exists()
+
+
+def test_kv_pools_keep_the_prefix_cache_engines_whole_and_cut_the_shared_one() -> None:
+    from kvsplice.bench.runner import split_pools
+
+    need = {"off": 10, "hash": 100, "radix": 100, "splice": 1000}
+    floor = {"off": 10, "hash": 10, "radix": 10, "splice": 300}
+    assert split_pools(need, floor, 2000) == need
+    assert split_pools(need, floor, 700) == {"off": 10, "hash": 100, "radix": 100, "splice": 490}
+    tight = split_pools(need, floor, 400)
+    assert tight["off"] == 10 and 10 <= tight["hash"] < 100 and 300 <= tight["splice"] < 1000
+    assert sum(tight.values()) <= 400
+    assert split_pools({"off": 5, "radix": 50}, {"off": 5, "radix": 5}, 30) == {"off": 5, "radix": 25}

@@ -131,3 +131,12 @@ def test_default_model_rag_smoke(tmp_path: Path) -> None:
     assert by["splice:none@0"].computed_frac < 0.2  # type: ignore[operator]
     assert result.model is not None and result.model.has_tokenizer
     assert "| splice:none@0 | 1/1 |" in write_report(result, tmp_path)
+
+
+def test_a_capped_pool_is_noted_and_its_evictions_reported(tiny_dir: Path) -> None:
+    bytes_per_block = 2 * 4 * 16 * 2 * 16 * 4  # layers, block size, KV heads, head dim, float32
+    config = _config("rag", tiny_dir, systems=("radix",), kv_cache_gb=25 * bytes_per_block / 2**30)
+    result = run_bench(config)
+    assert all(r.ok for r in result.records)
+    notes = " ".join(result.notes)
+    assert "cut: radix" in notes and "radix engine's radix tree evicted" in notes

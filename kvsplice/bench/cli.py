@@ -75,7 +75,7 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--dtype", default="float32")
     run.add_argument("--kv-dtype", default="float32")
     run.add_argument("--block-size", type=int, default=16)
-    run.add_argument("--kv-cache-gb", type=float, default=6.0, help="all engines' KV pools together, at most")
+    run.add_argument("--kv-cache-gb", type=float, default=8.0, help="all engines' KV pools together, at most")
     run.add_argument("--no-plots", action="store_true")
     run.add_argument("--no-progress", action="store_true")
     parser.set_defaults(run=_bench)

@@ -44,6 +44,7 @@ from kvsplice.bench.systems import (
 )
 from kvsplice.bench.workloads import make_workload
 from kvsplice.config import DTYPES
+from kvsplice.engine.engine import Engine
 from kvsplice.kv.pool import bytes_per_block
 from kvsplice.llm import LLM
 from kvsplice.loader.model_files import resolve_model_dir
@@ -70,7 +71,7 @@ class BenchConfig:
     kv_dtype: str = "float32"
     block_size: int = 16
     # All KV pools together at most (each is sized to what the workload can ever write).
-    kv_cache_gb: float = 6.0
+    kv_cache_gb: float = 8.0
     progress: bool = True
     # How the run was started, for the report.
     command: str = ""
@@ -102,6 +103,8 @@ class _Run:
         )
         # Blocks held by each system's caches (see the module docstring).
         self.held: dict[str, int] = defaultdict(int)
+        # Radix-tree evictions seen per engine (the tree shrank while a request was admitted).
+        self.evictions: dict[str, int] = defaultdict(int)
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -138,16 +141,13 @@ class _Run:
             need[SPLICE_ENGINE] = num_splice * (sum(requests) + doc_blocks) + context + 1
             floor[SPLICE_ENGINE] = max(requests) + num_splice * doc_blocks + context + 1
         cap = int(self.config.kv_cache_gb * GIB // self.block_bytes)
-        blocks = dict(need)
-        if sum(need.values()) > cap:
-            spare = max(cap - sum(floor.values()), 0)
-            extra = {k: need[k] - floor[k] for k in need}
-            scale = spare / max(sum(extra.values()), 1)
-            blocks = {k: floor[k] + int(extra[k] * scale) for k in need}
+        blocks = split_pools(need, floor, cap)
+        cut = [k for k in need if blocks[k] < need[k]]
+        if cut:
             self.notes.append(
                 f"KV pools capped at {self.config.kv_cache_gb:g} GiB in all (the workload could write "
-                f"{sum(need.values()) * self.block_bytes / GIB:.1f} GiB): caches may evict, and in the "
-                "shared splice engine one system's entries may then evict another's."
+                f"{sum(need.values()) * self.block_bytes / GIB:.1f} GiB); cut: {', '.join(cut)}. An "
+                "engine whose pool is cut may evict; evictions that were seen are listed below."
             )
         # Half a block more, so that rounding never costs the pool its last block.
         return {k: (b + 0.5) * self.block_bytes / GIB for k, b in blocks.items()}
@@ -204,6 +204,7 @@ class _Run:
         engine = slot.llm.engine
         allocator = engine.pool.allocator
         used_before = allocator.num_used
+        cached_before = _cached_tokens(engine)
         request_id = None
         try:
             prompt = prompt_parts(system, request, self.encode)
@@ -219,6 +220,8 @@ class _Run:
                 steps = engine.step()
                 if after_prefill is None:
                     after_prefill = allocator.num_used
+                    if _cached_tokens(engine) < cached_before:
+                        self.evictions[system.engine_key] += 1
                 output = next((s.output for s in steps if s.request_id == request_id and s.output), None)
                 if output is None and not engine.has_unfinished():
                     raise RuntimeError("the engine went idle without finishing the request")
@@ -250,11 +253,36 @@ class _Run:
         return record, output.first_logits
 
     def check_evictions(self) -> None:
+        for key, count in self.evictions.items():
+            self.notes.append(
+                f"the {key} engine's radix tree evicted entries while admitting {count} requests"
+            )
         splice = self.engines.get(SPLICE_ENGINE)
         if splice is not None and splice.llm is not None:
             evictions = splice.llm.engine.segment_store.stats.evictions
             if evictions:
                 self.notes.append(f"the shared splice engine's segment store evicted {evictions} entries")
+
+
+def split_pools(need: dict[str, int], floor: dict[str, int], cap: int) -> dict[str, int]:
+    """Blocks per engine within `cap`: every engine its need if that fits; else the single-system
+    engines (off, hash, radix: one workload's worth each) keep theirs and the shared splice engine gets
+    the rest, down to its floor; failing that, every engine gets its floor plus a share of the rest
+    in proportion to its need beyond the floor."""
+    if sum(need.values()) <= cap:
+        return dict(need)
+    single = {k: v for k, v in need.items() if k != SPLICE_ENGINE}
+    if SPLICE_ENGINE in need and sum(single.values()) + floor[SPLICE_ENGINE] <= cap:
+        return {**single, SPLICE_ENGINE: cap - sum(single.values())}
+    spare = max(cap - sum(floor.values()), 0)
+    extra = {k: need[k] - floor[k] for k in need}
+    scale = spare / max(sum(extra.values()), 1)
+    return {k: floor[k] + int(extra[k] * scale) for k in need}
+
+
+def _cached_tokens(engine: Engine) -> int:
+    """Tokens in a radix tree (which only shrinks by eviction); 0 for other prefix caches."""
+    return getattr(engine.prefix_cache, "num_cached_tokens", 0)
 
 
 def _compare_all(results: dict[str, tuple[RequestRecord, torch.Tensor | None]]) -> None:
