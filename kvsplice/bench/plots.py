@@ -3,19 +3,20 @@ and for chat/agent TTFT and computed tokens per turn."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
 from kvsplice.bench.metrics import SystemSummary
 from kvsplice.bench.results import BenchResult
 
-# KL is drawn on a log axis; exact systems (KL 0) sit on this floor.
-KL_FLOOR = 1e-7
+# KL below this is float rounding (the exact systems measure ~1e-12): drawn on the axis floor.
+KL_EXACT = 1e-6
 _COLOURS = {
     "off": "black",
     "hash": "tab:gray",
@@ -23,8 +24,10 @@ _COLOURS = {
     "none": "tab:red",
     "boundary": "tab:orange",
     "deviation": "tab:blue",
+    "recency": "tab:purple",
     "full": "tab:green",
 }
+_OTHER_COLOURS = ["tab:pink", "tab:olive", "tab:cyan"]
 
 
 def _family(system: str) -> str:
@@ -35,53 +38,67 @@ def _short(system: str) -> str:
     return system.removeprefix("splice:")
 
 
+def _colour(family: str, seen: dict[str, str]) -> str:
+    if family not in seen:
+        seen[family] = _COLOURS.get(family) or _OTHER_COLOURS[len(seen) % len(_OTHER_COLOURS)]
+    return seen[family]
+
+
 def _label(
     ax: plt.Axes, placed: list[tuple[float, float]], text: str, x: float, y: float, log_y: bool
 ) -> None:
     """Annotate a point; labels of points that (nearly) coincide are stacked instead of overprinted."""
 
     def close(px: float, py: float) -> bool:
-        same_y = 0.5 <= py / y <= 2 if log_y else abs(py - y) <= 5
-        return abs(px - x) <= 0.12 * max(px, x) and same_y
+        same_y = 0.7 <= py / y <= 1.4 if log_y else abs(py - y) <= 0.04 * (ax.get_ylim()[1] or 1)
+        return abs(px - x) <= 0.08 * max(px, x) and same_y
 
     near = sum(close(px, py) for px, py in placed)
     placed.append((x, y))
-    ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4 + 9 * near), fontsize=7)
+    ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 3 + 8 * near), fontsize=7)
 
 
 def frontier(result: BenchResult, path: Path) -> None:
+    """Left: mean KL against TTFT p50; right: mean leading tokens of the continuation equal to the
+    full prefill's. Each policy's budgets are joined by a line and labelled by budget."""
     done = [s for s in result.summaries if s.ttft_p50_s is not None and s.kl_mean is not None]
-    fig, (ax_kl, ax_same) = plt.subplots(1, 2, figsize=(12, 4.8))
-    placed: dict[str, list[tuple[float, float]]] = {"kl": [], "same": []}
+    fig, (ax_kl, ax_match) = plt.subplots(1, 2, figsize=(12.5, 5))
+    inexact = [s.kl_mean for s in done if s.kl_mean is not None and s.kl_mean >= KL_EXACT]
+    floor = 10 ** (math.floor(math.log10(min(inexact))) - 1) if inexact else KL_EXACT
+    n = result.continuation_tokens
+    ax_match.set_ylim(-0.05 * n, 1.12 * n)
+    placed: dict[str, list[tuple[float, float]]] = {"kl": [], "match": []}
     families: dict[str, list[SystemSummary]] = {}
     for s in done:
         families.setdefault(_family(s.system), []).append(s)
+    colours: dict[str, str] = {}
     for family, members in families.items():
         members.sort(key=lambda s: s.ttft_p50_s or 0.0)
         xs = [(s.ttft_p50_s or 0.0) * 1000 for s in members]
-        kls = [max(s.kl_mean or 0.0, KL_FLOOR) for s in members]
-        same = [(s.same_rate or 0.0) * 100 for s in members]
-        colour = _COLOURS.get(family, "tab:purple")
-        for key, ax, ys in (("kl", ax_kl, kls), ("same", ax_same, same)):
+        kls = [max(s.kl_mean or 0.0, floor) if (s.kl_mean or 0.0) >= KL_EXACT else floor for s in members]
+        match = [s.matched_mean or 0.0 for s in members]
+        colour = _colour(family, colours)
+        # Policies swept over budgets are labelled by budget (the legend names the policy).
+        texts = [_short(s.system) if len(members) == 1 else f"{s.budget_label}" for s in members]
+        for key, ax, ys in (("kl", ax_kl, kls), ("match", ax_match, match)):
             ax.plot(xs, ys, "o-" if len(members) > 1 else "o", color=colour, label=family)
-            for x, y, s in zip(xs, ys, members, strict=True):
-                _label(ax, placed[key], _short(s.system), x, y, log_y=key == "kl")
+            for x, y, text in zip(xs, ys, texts, strict=True):
+                _label(ax, placed[key], text, x, y, log_y=key == "kl")
     ax_kl.set_yscale("log")
-    for ax in (ax_kl, ax_same):
+    ax_kl.set_ylabel(f"mean KL(full ‖ system), nats (exact, < {KL_EXACT:g}: drawn at {floor:g})")
+    ax_match.set_ylabel(f"leading tokens equal to the full prefill's (mean, of {n})")
+    for ax in (ax_kl, ax_match):
         ax.set_xscale("log")
-    ax_kl.set_ylabel(f"mean KL(full ‖ system), nats (0 drawn at {KL_FLOOR:g})")
-    ax_same.set_ylabel(f"identical greedy continuations of {result.continuation_tokens} tokens (%)")
-    ax_same.set_ylim(-5, 105)
-    for ax in (ax_kl, ax_same):
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("TTFT p50 (ms, log scale)")
         ax.grid(True, which="both", alpha=0.3)
     if done:
-        ax_kl.legend(fontsize=8)
+        ax_kl.legend(fontsize=8, loc="center right")
     else:
         ax_kl.text(0.5, 0.5, "no request compared with the reference", ha="center", transform=ax_kl.transAxes)
-    fig.suptitle(
-        f"{result.workload}: fidelity against time to first token (lower left / upper left is better)"
-    )
+    fig.suptitle(f"{result.workload}: fidelity against time to first token (numbers: repair budget, %)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
