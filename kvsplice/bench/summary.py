@@ -20,7 +20,14 @@ from kvsplice.bench.report import _ms, _pct, _times, markdown
 from kvsplice.bench.results import BenchResult
 
 # The systems the cross-workload view shows, when a run has them.
-HEADLINE = ("hash", "radix", "splice:none@0", "splice:deviation@15", "splice:full@100")
+HEADLINE = (
+    "hash",
+    "radix",
+    "splice:none@0",
+    "splice:deviation@15",
+    "splice:recency@15",
+    "splice:full@100",
+)
 
 
 def load(root: Path) -> list[tuple[Path, BenchResult]]:
@@ -59,7 +66,7 @@ def reuse_by_workload(results: list[BenchResult], path: Path) -> None:
     exact prefix hits and spliced segments."""
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(HEADLINE)
-    colours = ("tab:gray", "tab:brown", "tab:red", "tab:blue", "tab:green")
+    colours = ("tab:gray", "tab:brown", "tab:red", "tab:blue", "tab:purple", "tab:green")
     for i, (name, colour) in enumerate(zip(HEADLINE, colours, strict=True)):
         xs, prefix, segment = [], [], []
         for w, result in enumerate(results):
