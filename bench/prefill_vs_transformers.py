@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from kvsplice.bench.results import cpu_name, load_average
 from kvsplice.engine.runner import ModelRunner
 from kvsplice.kv.pool import KVPool
 from kvsplice.loader.gguf import convert_gguf, default_model_path
@@ -99,7 +100,7 @@ def main() -> None:
         "",
         f"Model: Gemma 3 270M (default GGUF, float32). torch {torch.__version__}, transformers "
         f"{transformers.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}, "
-        f"{_cpu_name()}. Median of {args.reps} alternating reps. Float32 matmul peak (2048^3) measured "
+        f"{cpu_name()}. Median of {args.reps} alternating reps. Float32 matmul peak (2048^3) measured "
         f"in the same run: {peak:.0f} GFLOP/s.",
         "",
         "| tokens | kvsplice s | transformers s (logits_to_keep=1) | speedup "
@@ -118,28 +119,11 @@ def main() -> None:
         "FLOPs are kvsplice's estimate for the work it does (projections, MLP, attention over visible keys",
         "only, the last position's LM head); transformers does more for the same result (its sliding-window",
         "layers attend over masked keys too, and by default it computes the LM head at every position).",
-        f"Load average while running: {_load()}.",
+        f"Load average while running: {load_average()}.",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
-def _load() -> str:
-    try:
-        return Path("/proc/loadavg").read_text().split()[0]
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvsplice.bench.results import cpu_name, load_average
 from kvsplice.cache.base import CacheSeq, PrefixCache, make_prefix_cache
 from kvsplice.cache.hash_chain import HashChainCache
 from kvsplice.kv.allocator import BlockAllocator
@@ -180,18 +181,9 @@ def bench_index(name: str, work: Workload, num_blocks: int, block_size: int) -> 
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     python = f"Python {platform.python_version()} ({platform.python_implementation()})"
-    # The load tells how far other processes may have slowed these numbers.
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} CPUs (load average {load}); {python}; {platform.platform()}"
+    load = load_average()
+    return f"{cpu_name()}, {os.cpu_count()} CPUs (load average {load}); {python}; {platform.platform()}"
 
 
 def report(timings: list[Timing], notes: list[str], args: argparse.Namespace) -> str:

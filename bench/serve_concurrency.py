@@ -33,6 +33,8 @@ import httpx
 import openai
 import torch
 
+from kvsplice.bench.results import cpu_name
+
 RESULT = Path(__file__).parent / "results" / "serve_concurrency.md"
 TOPICS = ["rivers", "mountains", "deserts", "oceans", "forests", "volcanoes", "glaciers", "islands",
           "lakes", "canyons", "caves", "reefs", "plains", "valleys", "storms", "tides"]  # fmt: skip
@@ -140,16 +142,8 @@ async def bench(url: str, args: argparse.Namespace) -> list[tuple[Phase, Phase]]
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return (
-        f"{cpu}, {os.cpu_count()} CPUs; Python {platform.python_version()}, torch {torch.__version__} "
+        f"{cpu_name()}, {os.cpu_count()} CPUs; Python {platform.python_version()}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads by default); {platform.platform()}"
     )
 

@@ -34,13 +34,13 @@ class MachineInfo:
     @staticmethod
     def collect() -> MachineInfo:
         return MachineInfo(
-            cpu=_cpu_name(),
+            cpu=cpu_name(),
             cores=os.cpu_count(),
             torch_threads=torch.get_num_threads(),
             torch_version=torch.__version__,
             python=platform.python_version(),
             platform=platform.platform(),
-            load_start=_load(),
+            load_start=load_average(),
             git_commit=_git(["rev-parse", "--short", "HEAD"]),
             git_modified=tuple(
                 line[3:]
@@ -109,7 +109,8 @@ class BenchResult:
         )
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what platform knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -119,16 +120,13 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _load() -> tuple[float, float, float] | None:
+def load_average() -> tuple[float, float, float] | None:
+    """1-, 5- and 15-minute load averages: how far other processes may have slowed a measurement."""
     try:
         one, five, fifteen = os.getloadavg()
     except (OSError, AttributeError):
         return None
     return (round(one, 2), round(five, 2), round(fifteen, 2))
-
-
-def end_load() -> tuple[float, float, float] | None:
-    return _load()
 
 
 def _git(args: list[str]) -> str | None:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from kvsplice.bench.base import BenchRequest, Workload, WorkloadSpec
 from kvsplice.bench.metrics import RequestRecord, compare, is_correct, per_turn, summarize
-from kvsplice.bench.results import BenchResult, MachineInfo, ModelInfo, end_load
+from kvsplice.bench.results import BenchResult, MachineInfo, ModelInfo, load_average
 from kvsplice.bench.systems import (
     REFERENCE,
     SPLICE_ENGINE,
@@ -317,7 +317,7 @@ def run_bench(config: BenchConfig, workload: Workload | None = None) -> BenchRes
         spec=dataclasses.asdict(workload.spec),
         systems=names,
         command=config.command or shlex.join(["kvsplice", "bench", workload.name]),
-        machine=dataclasses.replace(machine, load_end=end_load()),
+        machine=dataclasses.replace(machine, load_end=load_average()),
         model=_model_info(run),
         kv_pools_gib={k: round(v, 3) for k, v in run.pools.items()},
         continuation_tokens=config.continuation,
