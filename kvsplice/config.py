@@ -36,7 +36,7 @@ class EngineConfig:
         "requests queued beyond the running ones before new ones are refused", default=256
     )
     prefix_cache: str = _opt("prefix cache: hash (vLLM), radix (SGLang) or off", default="radix")
-    repair: str = _opt("repair policy for reused segments", default="deviation")
+    repair: str = _opt("repair policy for reused segments", default="recency")
     recompute_ratio: float = _opt("repair budget as a fraction of the reused segment tokens", default=0.15)
     recompute_tokens: int | None = _opt("repair budget in tokens (overrides the ratio)", default=None)
     segment_context_tokens: int | None = _opt(
