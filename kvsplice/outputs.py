@@ -12,7 +12,8 @@ class RequestMetrics:
     """Per-request accounting. prefix_hit_tokens + segment_hit_tokens + computed_tokens == prompt_tokens."""
 
     prompt_tokens: int = 0
-    # KV reused exactly from the prefix cache.
+    # KV reused from the prefix cache: exact, except under segment keys, where it can be the KV an earlier
+    # request with the same prompt start, segments and repair settings spliced (cache/segment_keys.py).
     prefix_hit_tokens: int = 0
     # KV reused from the segment store: moved to new positions, then repaired.
     segment_hit_tokens: int = 0

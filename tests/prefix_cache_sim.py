@@ -101,6 +101,7 @@ class Simulator:
         seq = CacheSeq(f"r{next(self._ids)}", namespace, list(prompt))
         fps = fingerprints(namespace, seq.token_ids)
         expected = self.expected_hit(namespace, seq.token_ids, fps)
+        assert self.cache.peek(namespace, seq.token_ids) == expected[0], "peek disagrees with the oracle"
         hit = self.cache.acquire(seq)
         B = self.block_size
         assert hit.num_tokens == expected[0], f"hit {hit.num_tokens} tokens, oracle says {expected[0]}"

@@ -283,3 +283,22 @@ def test_radix_acquire_contract() -> None:
     with pytest.raises(AssertionError, match="acquired twice"):
         cache.acquire(CacheSeq("r", 0, [1, 2, 3]))
     assert cache.stats.queries == 3 and cache.stats.hits == 0
+
+
+def test_segment_keys_tell_markup_and_settings_apart() -> None:
+    from kvsplice.cache.segment_keys import SegmentKeys
+    from kvsplice.prompt import ParsedPrompt, SegmentSpan
+
+    keys = SegmentKeys(vocab_size=100)
+    ids = (5, 6, 7, 8, 9, 6)
+    one = ParsedPrompt(ids, (SegmentSpan(1, 5),))
+    two = ParsedPrompt(ids, (SegmentSpan(1, 3), SegmentSpan(3, 5)))
+    a = keys(one, "recency@15")
+    # Plain tokens keep their ids; segment tokens get ids above the vocabulary, the same every time.
+    assert a[0] == 5 and a[5] == 6 and min(a[1:5]) >= 100 and keys(one, "recency@15") == a
+    # Token 6 inside the segment is not token 6 outside it.
+    assert a[1] != a[5]
+    # Where a segment starts and the repair settings are part of the key.
+    assert keys(two, "recency@15")[3] != a[3] and keys(two, "recency@15")[4] == a[4]
+    assert all(x != y for x, y in zip(keys(one, "none@0")[1:5], a[1:5], strict=True))
+    assert keys(ParsedPrompt(ids), "recency@15") == list(ids)

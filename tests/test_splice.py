@@ -93,8 +93,33 @@ def test_metrics_add_up_and_recompute_stays_in_budget(
         assert m.prefix_hit_tokens >= len(SYSTEM) and m.computed_tokens == len(QUESTION)
         assert m.prefix_hit_tokens + m.segment_hit_tokens == len(SYSTEM) + sum(len(d) for d in DOCS)
         assert m.recomputed_tokens == round(ratio * m.segment_hit_tokens)
-        absolute = llm.generate([_parts([2, 3, 1, 0])], GREEDY, recompute_tokens=5)[0]
-        assert absolute.metrics.recomputed_tokens == (0 if policy == "none" else 5)
+    absolute = llm.generate([_parts([2, 3, 1, 0])], GREEDY, recompute_tokens=5)[0]
+    assert absolute.metrics.recomputed_tokens == (0 if policy == "none" else 5)
+
+
+def test_a_turn_that_extends_a_spliced_request_reuses_its_kv(model_dir: Path) -> None:
+    """The next turn of a spliced request takes the request's own KV (approximate, under segment keys)
+    as its prefix: it reads exactly the KV the previous answer came from, so its greedy continuation
+    is the previous one's, one token on. No other request can take that KV."""
+    llm = _llm(model_dir, prefix_cache="radix", repair="recency", recompute_ratio=0.2)
+    _warm(llm)
+    parts = _parts([2, 0, 3])
+    first = llm.generate([parts], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert first.metrics.segment_hit_tokens == sum(len(DOCS[i]) for i in (2, 0, 3))
+    n = len(first.prompt_token_ids)
+    follow = [*parts[:-1], [*QUESTION, first.token_ids[0]]]
+    second = llm.generate([follow], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    m = second.metrics
+    assert (m.prefix_hit_tokens, m.segment_hit_tokens, m.computed_tokens) == (n, 0, 1)
+    assert second.token_ids == first.token_ids[1:]
+
+    # Other repair settings, or the same tokens without segment markup: only the instruction is shared.
+    other = llm.generate([follow], GREEDY, recompute_ratio=0.5)[0]
+    assert other.metrics.prefix_hit_tokens == len(SYSTEM)
+    plain = llm.generate([[*SYSTEM, *DOCS[2], *DOCS[0], *DOCS[3], *QUESTION]], GREEDY)[0]
+    assert plain.metrics.prefix_hit_tokens == len(SYSTEM)
+    reference = _llm(model_dir, prefix_cache="off").generate([plain.prompt_token_ids], GREEDY)[0]
+    torch.testing.assert_close(plain.first_logits, reference.first_logits, atol=1e-4, rtol=1e-4)
 
 
 def test_reuse_continues_past_a_missing_segment(model_dir: Path) -> None:

@@ -71,6 +71,11 @@ class PrefixCache(ABC):
         computed, its logits are needed. Updates `stats`."""
 
     @abstractmethod
+    def peek(self, namespace: Hashable, token_ids: list[int]) -> int:
+        """How many tokens `acquire` would hit for these tokens now; changes nothing (no stats, no
+        access times, no splits)."""
+
+    @abstractmethod
     def on_computed(self, seq: CacheSeq) -> None:
         """seq.num_computed grew: the cache may index the newly completed blocks."""
 
@@ -88,6 +93,9 @@ class NoPrefixCache(PrefixCache):
     def acquire(self, seq: CacheSeq) -> PrefixHit:
         self.stats.queries += len(seq.token_ids)
         return PrefixHit(0, ())
+
+    def peek(self, namespace: Hashable, token_ids: list[int]) -> int:
+        return 0
 
     def on_computed(self, seq: CacheSeq) -> None:
         pass

@@ -129,6 +129,14 @@ class HashChainCache(PrefixCache):
         self.stats.hits += num_hit_tokens
         return PrefixHit(num_hit_tokens, tuple(hit))
 
+    def peek(self, namespace: Hashable, token_ids: list[int]) -> int:
+        """`acquire`'s hit length, hashed on a throwaway chain; the cache is left as it was."""
+        state = _RequestBlocks(first_block_extra_keys(namespace))
+        j, max_blocks = 0, max(len(token_ids) - 1, 0) // self.block_size
+        while j < max_blocks and self._block_hash(state, token_ids, j) in self._blocks_by_hash:
+            j += 1
+        return j * self.block_size
+
     def on_computed(self, seq: CacheSeq) -> None:
         """Register every block that became full: prompt blocks after prefill, then one block each
         time decoding fills one."""

@@ -153,6 +153,20 @@ class RadixCache(PrefixCache):
         self.stats.hits += matched
         return PrefixHit(matched, tuple(blocks))
 
+    def peek(self, namespace: Hashable, token_ids: list[int]) -> int:
+        """`acquire`'s match length, walked without touching or splitting a node."""
+        limit = max(len(token_ids) - 1, 0) // self.page_size * self.page_size
+        node, pos = self._roots.get(namespace), 0
+        while node is not None and pos < limit:
+            child = node.children.get(self._child_key(token_ids, pos))
+            if child is None:
+                break
+            n = _common_prefix_len(child.key, token_ids, pos, min(len(child.key), limit - pos))
+            n = n // self.page_size * self.page_size
+            pos += n
+            node = child if n == len(child.key) else None
+        return pos
+
     def on_computed(self, seq: CacheSeq) -> None:
         """Nothing to do: SGLang inserts a request's tokens when it finishes."""
         self._assert_covers(seq)

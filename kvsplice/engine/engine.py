@@ -189,8 +189,8 @@ class Engine:
         return outputs
 
     def _computed(self, request: Request) -> None:
-        # The prefix caches see only the exact part of the request's KV.
-        exact = request.exact_until
+        # Under plain token ids the prefix cache sees only the exact part of the request's KV.
+        exact = None if request.segment_keyed else request.exact_until
         request.seq.num_computed = request.kv_len if exact is None else min(request.kv_len, exact)
         self.prefix_cache.on_computed(request.seq)
 

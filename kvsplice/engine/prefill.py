@@ -14,6 +14,7 @@ from importlib import resources
 import torch
 
 from kvsplice.cache.base import PrefixCache
+from kvsplice.cache.segment_keys import SegmentKeys
 from kvsplice.cache.segments import SegmentEntry, SegmentStore
 from kvsplice.engine.request import Request
 from kvsplice.engine.runner import ModelRunner, Narrowing
@@ -23,7 +24,7 @@ from kvsplice.kv.splice import move_kv
 from kvsplice.loader.tokenizer import Tokenizer
 from kvsplice.models.config import ModelConfig
 from kvsplice.planner import Plan, Span, SpanKind, make_plan
-from kvsplice.repair import budget_tokens, make_policy
+from kvsplice.repair import POLICIES, budget_tokens, make_policy
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Prefiller:
         self.prefix_cache = prefix_cache
         self.store = store
         self.max_len = max_len
+        self.segment_keys = SegmentKeys(runner.cfg.vocab_size)
 
     def blocks_needed(self, request: Request) -> int:
         """Blocks for the whole request: prompt and every token it may generate (reserved at admission,
@@ -54,6 +56,7 @@ class Prefiller:
 
         False, holding nothing, if memory is short."""
         seq = request.seq
+        self._choose_keys(request)
         hit = self.prefix_cache.acquire(seq)
         table = list(hit.blocks)
         partial = hit.num_tokens % self.pool.block_size
@@ -78,6 +81,18 @@ class Prefiller:
         seq.block_table = table + fresh
         request.metrics.prefix_hit_tokens = hit.num_tokens
         return True
+
+    def _choose_keys(self, request: Request) -> None:
+        """Plain token ids, or segment keys (cache/segment_keys.py) when the request splices with a
+        policy that leaves KV approximate and they match at least as much: then its KV, approximate
+        or not, enters the prefix cache under them and later requests that extend it reuse it."""
+        seq, plain = request.seq, list(request.prompt.token_ids)
+        seq.token_ids, request.segment_keyed = plain, False
+        if not request.prompt.segments or POLICIES[request.repair.policy].exact:
+            return
+        keys = self.segment_keys(request.prompt, request.repair)
+        if self.prefix_cache.peek(seq.namespace, keys) >= self.prefix_cache.peek(seq.namespace, plain):
+            seq.token_ids, request.segment_keyed = keys, True
 
     def run(self, request: Request) -> PrefillResult:
         seq, prompt = request.seq, request.prompt

@@ -42,6 +42,9 @@ class Request:
     # The first position whose KV is approximate (reused KV spliced in and not fully recomputed: it and
     # every later token's KV); None while all KV is exact. Only exact KV may enter the prefix caches.
     exact_until: int | None = None
+    # The prefix cache sees the request under segment keys (cache/segment_keys.py): all its KV may be
+    # indexed, approximate or not, since only requests with the same segments and repair can match it.
+    segment_keyed: bool = False
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None

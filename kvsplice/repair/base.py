@@ -24,6 +24,8 @@ class RepairDecision:
 
 class RepairPolicy(ABC):
     name: ClassVar[str]
+    # Whether the policy always leaves exact KV (recomputes every reused token).
+    exact: ClassVar[bool] = False
 
     @abstractmethod
     def decide(self, plan: Plan, budget: int, num_layers: int) -> RepairDecision:

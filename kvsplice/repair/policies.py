@@ -21,6 +21,7 @@ class FullRepair(RepairPolicy):
     """Recompute every reused token: equals a full prefill, at a full prefill's cost."""
 
     name = "full"
+    exact = True
 
     def decide(self, plan: Plan, budget: int, num_layers: int) -> RepairDecision:
         return RepairDecision(tuple(plan.positions(SpanKind.SPLICED)))
