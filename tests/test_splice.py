@@ -238,3 +238,17 @@ def test_moved_first_layer_keys_equal_keys_computed_at_the_new_positions(model_d
         direct = engine.pool.k[0, engine.pool.slots(table, torch.arange(start, start + len(keys)))]
         torch.testing.assert_close(keys, direct, atol=1e-4, rtol=1e-4)
     assert len(moved) == 2
+
+
+def test_missed_segments_are_stored_after_the_first_token_is_out(model_dir: Path) -> None:
+    llm = _llm(model_dir, prefix_cache="off")
+    engine = llm.engine
+    engine.add_request([SYSTEM, Segment(DOCS[0]), QUESTION], GREEDY)
+    first = engine.step()
+    # The first token is out of the prefill step; the missed segment is not stored yet.
+    assert len(first) == 1 and len(first[0].new_token_ids) == 1 and len(engine.segment_store) == 0
+    assert engine.step() == [] and len(engine.segment_store) == 1
+    while engine.has_unfinished():
+        outputs = engine.step()
+    assert outputs[0].output is not None
+    assert outputs[0].output.metrics.segment_store_tokens == len(DOCS[0])

@@ -10,7 +10,7 @@ Definitions (docs/bench.md has the long form):
   prompt tokens; FLOPs: the system's estimated prefill FLOPs over the full prefill's.
 - accuracy: one of the request's answers appears (case-insensitively) in the first non-empty line
   of the greedy continuation.
-- peak KV: the most KV memory the system held at the end of a prefill (see runner.py).
+- peak KV: the most KV memory the system held while a request ran (see runner.py).
 """
 
 from __future__ import annotations

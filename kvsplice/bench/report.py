@@ -19,7 +19,7 @@ LEGEND = (
     "the first generated position, in nats; top-1: same most likely first token; same N: identical "
     "greedy continuation of N tokens; match: mean leading tokens of the continuation equal to the full "
     "prefill's. accuracy: the answer appears in the first line of the "
-    "continuation. peak KV: most KV memory the system held at the end of a prefill (docs/bench.md)."
+    "continuation. peak KV: most KV memory the system held while a request ran (docs/bench.md)."
 )
 
 

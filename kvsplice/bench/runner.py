@@ -11,8 +11,8 @@ Peak KV memory: KV blocks are counted after each engine step through the pool's 
 (`num_used`: blocks with a holder, i.e. running requests, radix nodes, segment-store entries). A
 system's *held* blocks are the sum of the changes in `num_used` over its requests (exact while
 nothing is evicted: a shared engine runs one request at a time); its peak is the most it held plus
-what its running request added by the end of the prefill step (the request's blocks, reserved for
-prompt and continuation, and any segment-store fills). vLLM's hash cache keeps cached KV in free
+the most its running request added after any step (the request's blocks, reserved for prompt and
+continuation at admission, and any segment-store fills). vLLM's hash cache keeps cached KV in free
 blocks (reclaimed at no cost), so only its running request shows.
 """
 
@@ -215,16 +215,19 @@ class _Run:
                 repair=system.policy,
                 recompute_ratio=system.recompute_ratio,
             )
-            output, after_prefill = None, None
+            output, most = None, None
             while output is None:
                 steps = engine.step()
-                if after_prefill is None:
-                    after_prefill = allocator.num_used
-                    if _cached_tokens(engine) < cached_before:
-                        self.evictions[system.engine_key] += 1
+                if most is None and _cached_tokens(engine) < cached_before:
+                    self.evictions[system.engine_key] += 1
+                most = max(most or 0, allocator.num_used)
                 output = next((s.output for s in steps if s.request_id == request_id and s.output), None)
                 if output is None and not engine.has_unfinished():
                     raise RuntimeError("the engine went idle without finishing the request")
+            # Segments the request missed are stored in steps after its first token: count them here.
+            while engine.has_unfinished():
+                engine.step()
+                most = max(most or 0, allocator.num_used)
         except Exception as err:  # a system that fails is reported as failed, never dropped
             record.error = f"{type(err).__name__}: {err}"
             if request_id is not None:
@@ -234,8 +237,8 @@ class _Run:
                     record.error += f" (abort failed too: {abort_err})"
             return record, None
         m = output.metrics
-        assert after_prefill is not None
-        peak = self.held[system.name] + max(after_prefill - used_before, 0)
+        assert most is not None
+        peak = self.held[system.name] + max(most - used_before, 0)
         self.held[system.name] += allocator.num_used - used_before
         record.prompt_tokens = m.prompt_tokens
         record.prefix_hit_tokens = m.prefix_hit_tokens

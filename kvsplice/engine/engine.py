@@ -1,6 +1,7 @@
 """The engine: owns the model, the KV pool and the caches, and advances every request one step at a time.
 
-step():  batch = scheduler.schedule()
+step():  store the segments a request missed, if one waits for that (a step of its own), else:
+         batch = scheduler.schedule()
          logits = prefill of one request  |  batched decode of the running ones
          sample, append, detokenize, finish; release the finished requests' KV into the caches
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -83,6 +85,8 @@ class Engine:
         self._decoders: dict[str, IncrementalDecoder] = {}
         self._emitted: dict[str, int] = {}
         self._ids = itertools.count()
+        # Requests whose missed segments still have to be computed on their own and stored.
+        self._store_queue: deque[Request] = deque()
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -158,11 +162,17 @@ class Engine:
         self._finish(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._store_queue)
 
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        if self._store_queue:
+            # A step of its own, so that the first token of the request that missed the segments has
+            # already gone out to its caller (a streaming client) when this work starts.
+            stored = self._store_queue.popleft()
+            self.prefiller.store_segments(stored, stored.seq.namespace)
+            return []
         batch = self.scheduler.schedule()
         if batch.prefill is not None:
             request = batch.prefill
@@ -172,9 +182,9 @@ class Engine:
             self._computed(request)
             if request.params.return_first_logits:
                 request.first_logits = result.logits.clone()
-            outputs = [self._append(request, result.logits)]
-            self.prefiller.store_segments(request, request.seq.namespace)
-            return outputs
+            if request.pending_segments:
+                self._store_queue.append(request)
+            return [self._append(request, result.logits)]
         if not batch.decode:
             return []
         items = [
