@@ -171,7 +171,7 @@ class Engine:
             # A step of its own, so that the first token of the request that missed the segments has
             # already gone out to its caller (a streaming client) when this work starts.
             stored = self._store_queue.popleft()
-            self.prefiller.store_segments(stored, stored.seq.namespace)
+            self.prefiller.store_segments(stored)
             return []
         batch = self.scheduler.schedule()
         if batch.prefill is not None:

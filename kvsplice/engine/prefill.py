@@ -7,7 +7,6 @@ the request's first token is out, to fill the store for later requests without d
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass
 from importlib import resources
 
@@ -147,9 +146,9 @@ class Prefiller:
         m.prefill_flops = self.runner.last_flops
         return PrefillResult(plan, logits, recomputed)
 
-    def store_segments(self, request: Request, namespace: Hashable) -> None:
+    def store_segments(self, request: Request) -> None:
         """Compute each segment the store missed on its own, after the canonical context, and keep it."""
-        context = self.store.context
+        context, namespace = self.store.context, request.seq.namespace
         for tokens in request.pending_segments:
             if self.store.lookup(namespace, tokens) is not None:
                 continue
