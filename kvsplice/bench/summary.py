@@ -61,9 +61,9 @@ def _headline(result: BenchResult) -> list[SystemSummary]:
     return [by[name] for name in HEADLINE if name in by]
 
 
-def reuse_by_workload(results: list[BenchResult], path: Path) -> None:
-    """Grouped bars: per workload, the share of prompt tokens each headline system reused, split into
-    exact prefix hits and spliced segments."""
+def reuse_by_workload(results: list[BenchResult], labels: list[str], path: Path) -> None:
+    """Grouped bars: per run (labelled by its directory), the share of prompt tokens each headline
+    system reused, split into prefix hits and spliced segments."""
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(HEADLINE)
     colours = ("tab:gray", "tab:brown", "tab:red", "tab:blue", "tab:purple", "tab:green")
@@ -78,7 +78,7 @@ def reuse_by_workload(results: list[BenchResult], path: Path) -> None:
             segment.append((s.segment_hit_frac or 0) * 100)
         ax.bar(xs, prefix, width, color=colour, label=name)
         ax.bar(xs, segment, width, bottom=prefix, color=colour, alpha=0.45, hatch="//")
-    ax.set_xticks(range(len(results)), [r.workload for r in results])
+    ax.set_xticks(range(len(results)), labels)
     ax.set_ylabel("prompt tokens reused (%): solid prefix hit, hatched segment")
     ax.set_ylim(0, 105)
     ax.grid(True, axis="y", alpha=0.3)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         for directory, result in runs:
             rerender(result, directory)
     results = [result for _, result in runs]
-    reuse_by_workload(results, args.root / "reuse_by_workload.png")
+    reuse_by_workload(results, [directory.name for directory, _ in runs], args.root / "reuse_by_workload.png")
     print(table(results))
 
 
