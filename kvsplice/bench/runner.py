@@ -215,19 +215,19 @@ class _Run:
                 repair=system.policy,
                 recompute_ratio=system.recompute_ratio,
             )
-            output, most = None, None
-            while output is None:
-                steps = engine.step()
-                if most is None and _cached_tokens(engine) < cached_before:
-                    self.evictions[system.engine_key] += 1
-                most = max(most or 0, allocator.num_used)
-                output = next((s.output for s in steps if s.request_id == request_id and s.output), None)
-                if output is None and not engine.has_unfinished():
-                    raise RuntimeError("the engine went idle without finishing the request")
-            # Segments the request missed are stored in steps after its first token: count them here.
+            # The request runs alone: step until the engine is idle, which includes the steps that store
+            # the segments it missed (after its first token), so their KV counts for it.
+            output, most, first = None, used_before, True
             while engine.has_unfinished():
-                engine.step()
-                most = max(most or 0, allocator.num_used)
+                steps = engine.step()
+                if first and _cached_tokens(engine) < cached_before:
+                    self.evictions[system.engine_key] += 1
+                first = False
+                most = max(most, allocator.num_used)
+                done = (s.output for s in steps if s.request_id == request_id and s.output)
+                output = output or next(done, None)
+            if output is None:
+                raise RuntimeError("the engine went idle without finishing the request")
         except Exception as err:  # a system that fails is reported as failed, never dropped
             record.error = f"{type(err).__name__}: {err}"
             if request_id is not None:
@@ -237,7 +237,6 @@ class _Run:
                     record.error += f" (abort failed too: {abort_err})"
             return record, None
         m = output.metrics
-        assert most is not None
         peak = self.held[system.name] + max(most - used_before, 0)
         self.held[system.name] += allocator.num_used - used_before
         record.prompt_tokens = m.prompt_tokens
