@@ -20,10 +20,10 @@ import torch
 import transformers
 
 from kvsplice.bench.results import cpu_name, load_average
-from kvsplice.engine.runner import ModelRunner
 from kvsplice.kv.pool import KVPool
 from kvsplice.loader.gguf import convert_gguf, default_model_path
-from kvsplice.models.loader import load_model
+from kvsplice.models.build import load_model
+from kvsplice.models.runner import ModelRunner
 
 
 def matmul_peak(n: int = 2048, reps: int = 5) -> float:
@@ -83,8 +83,8 @@ def main() -> None:
             times["hf_keep1"].append(timed(lambda: run_hf(1)))
             times["hf_all"].append(timed(lambda: run_hf(0)))
         pool.allocator.decref(table)
-        runner.prefill(table := pool.allocator.allocate(-(-length // 16)), ids.tolist(), positions)
-        flops = runner.last_flops
+        table = pool.allocator.allocate(-(-length // 16))
+        flops = runner.prefill(table, ids.tolist(), positions).flops
         pool.allocator.decref(table)
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append((length, med, flops))

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsplice.bench.results import cpu_name, load_average
-from kvsplice.cache.base import CacheSeq, PrefixCache, make_prefix_cache
+from kvsplice.cache.base import CacheSeq, PrefixCache
 from kvsplice.cache.hash_chain import HashChainCache
+from kvsplice.cache.registry import make_prefix_cache
 from kvsplice.kv.allocator import BlockAllocator
 
 VOCAB = 32000  # cached tokens are drawn below this; "fresh" tokens above, so they never match
@@ -110,9 +111,9 @@ class Driver:
         return seq
 
     def compute(self, seq: CacheSeq) -> None:
-        num_blocks = -(-len(seq.token_ids) // self.block_size)
+        num_blocks = -(-len(seq.keys) // self.block_size)
         seq.block_table += self.alloc.allocate(num_blocks - len(seq.block_table))
-        seq.num_computed = len(seq.token_ids)
+        seq.num_computed = len(seq.keys)
 
     def run(self, tokens: list[int]) -> None:
         seq = self.admit(tokens)

@@ -7,8 +7,10 @@ from kvsplice.errors import (
     ModelLoadError,
     OutOfBlocksError,
     PromptTooLongError,
+    QueueFullError,
 )
 from kvsplice.llm import LLM
+from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestMetrics, RequestOutput
 from kvsplice.prompt import Segment
 from kvsplice.sampling import SamplingParams
@@ -21,7 +23,9 @@ __all__ = [
     "ModelLoadError",
     "OutOfBlocksError",
     "PromptTooLongError",
+    "QueueFullError",
     "RequestMetrics",
+    "RequestOptions",
     "RequestOutput",
     "SamplingParams",
     "Segment",

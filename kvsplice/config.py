@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvsplice.cache.registry import PREFIX_CACHE_NAMES
 from kvsplice.errors import ConfigError
+from kvsplice.repair.registry import POLICY_NAMES
 
+SEGMENT_KV = ("prompt", "canonical")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -27,11 +31,23 @@ class EngineConfig:
     device: str = _opt("torch device to run on", default="cpu")
     dtype: str = _opt("compute dtype", default="float32")
     kv_dtype: str = _opt("dtype of the stored KV", default="float32")
-    num_threads: int | None = _opt("torch intra-op threads (default: torch's choice)", default=None)
+    num_threads: int | None = _opt(
+        "torch intra-op threads (default: half the CPUs this process may use, at least 1; see `threads`)",
+        default=None,
+    )
     block_size: int = _opt("tokens per KV block", default=16)
     kv_cache_gb: float = _opt("memory for the KV pool, in GiB, allocated up front", default=1.0)
     max_model_len: int | None = _opt("longest prompt + output (default: the model's context)", default=None)
     max_num_seqs: int = _opt("requests running at once (decode batch size)", default=16)
+    max_num_batched_tokens: int = _opt(
+        "tokens one engine step computes at most: decode tokens plus prefill chunks (vLLM's name)",
+        default=256,
+    )
+    long_prefill_token_threshold: int | None = _opt(
+        "a prompt in prefill takes at most this many tokens of a step before every other prefill has had "
+        "its share (default: a quarter of max_num_batched_tokens)",
+        default=None,
+    )
     max_waiting: int = _opt(
         "requests queued beyond the running ones before new ones are refused", default=256
     )
@@ -43,6 +59,12 @@ class EngineConfig:
         "length of the canonical context stored segments are computed after "
         "(default: the model's sliding window + 64, or 256)",
         default=None,
+    )
+    segment_kv: str = _opt(
+        "how a new segment's stored KV is made: 'prompt' (copied from the request that first carried it, "
+        "so no token is computed twice) or 'canonical' (computed again on its own after the canonical "
+        "context, as background work)",
+        default="prompt",
     )
     seed: int = _opt("seed for sampling when a request gives none", default=0)
 
@@ -58,6 +80,14 @@ class EngineConfig:
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(
+            self.max_num_batched_tokens > self.max_num_seqs,
+            "max_num_batched_tokens must exceed max_num_seqs (every running request decodes each step)",
+        )
+        _check(
+            self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 1,
+            "long_prefill_token_threshold must be >= 1",
+        )
         _check(self.max_waiting >= 0, "max_waiting must be >= 0")
         _check(0.0 <= self.recompute_ratio <= 1.0, "recompute_ratio must be in [0, 1]")
         _check(self.recompute_tokens is None or self.recompute_tokens >= 0, "recompute_tokens must be >= 0")
@@ -65,12 +95,22 @@ class EngineConfig:
             self.segment_context_tokens is None or self.segment_context_tokens >= 0,
             "segment_context_tokens must be >= 0",
         )
-        from kvsplice.cache.base import prefix_cache_names
-        from kvsplice.repair import POLICY_NAMES
-
-        names = prefix_cache_names()
-        _check(self.prefix_cache in names, f"prefix_cache must be one of {names}")
+        _check(self.prefix_cache in PREFIX_CACHE_NAMES, f"prefix_cache must be one of {PREFIX_CACHE_NAMES}")
+        _check(self.segment_kv in SEGMENT_KV, f"segment_kv must be one of {SEGMENT_KV}")
         _check(self.repair in POLICY_NAMES, f"repair must be one of {POLICY_NAMES}")
+
+    @property
+    def threads(self) -> int:
+        """Torch's intra-op threads: num_threads, or half the CPUs this process may use (at least 1).
+        Measured on the 2-core machine: with torch's default (every core) time to first token was
+        3-40x worse than with one thread while another process ran (bench/results/threads.md)."""
+        if self.num_threads is not None:
+            return self.num_threads
+        return max(1, len(os.sched_getaffinity(0)) // 2)
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        return self.long_prefill_token_threshold or max(1, self.max_num_batched_tokens // 4)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -23,3 +23,7 @@ class ModelLoadError(KvspliceError):
 
 class OutOfBlocksError(KvspliceError):
     """The KV budget cannot hold what was asked for, even after evicting every unused cache entry."""
+
+
+class QueueFullError(KvspliceError):
+    """More requests are waiting than the engine's `max_waiting` allows: try again later."""

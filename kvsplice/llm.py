@@ -8,8 +8,9 @@ from typing import Any
 from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine
 from kvsplice.errors import InvalidRequestError
+from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
-from kvsplice.prompt import Prompt, Segment
+from kvsplice.prompt import Prompt, Segment, is_token_ids
 from kvsplice.sampling import SamplingParams
 
 
@@ -25,36 +26,24 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | None = None,
-        *,
-        cache_salt: str | Sequence[str | None] | None = None,
-        repair: str | None = None,
-        recompute_ratio: float | None = None,
-        recompute_tokens: int | None = None,
+        options: RequestOptions | Sequence[RequestOptions] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in the order of the prompts.
 
         `prompts` is one prompt or a list of them. A prompt is a string, a list of token ids (used
         verbatim), or a list of parts (strings, token-id lists, `Segment`s); a lone list of parts
-        must be wrapped in a list unless it contains a Segment. Every prompt is validated before
+        must be wrapped in a list unless it contains a Segment. `options` (repair policy and budget,
+        cache salt) apply to every prompt, or give one per prompt. Every prompt is validated before
         any runs, so a bad one raises and nothing else is lost.
         """
         params = sampling_params or SamplingParams()
         batch = _as_batch(prompts)
-        salts = _per_prompt(cache_salt, len(batch))
+        per_prompt = _per_prompt(options, len(batch))
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, salt in zip(batch, salts, strict=True):
-                ids.append(
-                    engine.add_request(
-                        prompt,
-                        params,
-                        cache_salt=salt,
-                        repair=repair,
-                        recompute_ratio=recompute_ratio,
-                        recompute_tokens=recompute_tokens,
-                    )
-                )
+            for prompt, opts in zip(batch, per_prompt, strict=True):
+                ids.append(engine.add_request(prompt, params, opts))
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)
@@ -72,17 +61,17 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     if not isinstance(prompts, Sequence) or not prompts:
         raise InvalidRequestError("generate() needs a prompt or a non-empty list of prompts")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+    if is_token_ids(prompts):
         return [prompts]  # type: ignore[list-item]
     if any(isinstance(p, Segment) for p in prompts):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
 
 
-def _per_prompt(salt: str | Sequence[str | None] | None, n: int) -> list[str | None]:
-    if salt is None or isinstance(salt, str):
-        return [salt] * n
-    salts = list(salt)
-    if len(salts) != n:
-        raise InvalidRequestError(f"{len(salts)} cache salts for {n} prompts")
-    return salts
+def _per_prompt(options: RequestOptions | Sequence[RequestOptions] | None, n: int) -> list[RequestOptions]:
+    if options is None or isinstance(options, RequestOptions):
+        return [options or RequestOptions()] * n
+    each = list(options)
+    if len(each) != n or not all(isinstance(o, RequestOptions) for o in each):
+        raise InvalidRequestError(f"options: one RequestOptions, or one per prompt ({n}); got {len(each)}")
+    return each

@@ -21,10 +21,8 @@ class RequestMetrics:
     computed_tokens: int = 0
     # Reused segment tokens recomputed by the repair policy on (most) layers.
     recomputed_tokens: int = 0
-    # Tokens computed outside the prompt to fill the segment store (missed segments, on their own).
-    segment_store_tokens: int = 0
     generated_tokens: int = 0
-    # Estimated FLOPs of this request's prefill (not counting segment-store fills).
+    # Estimated FLOPs of this request's prefill (segment-store fills are background work, not counted).
     prefill_flops: float = 0.0
     ttft_s: float = 0.0
     e2e_s: float = 0.0

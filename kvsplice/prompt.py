@@ -27,9 +27,7 @@ class Segment:
         if isinstance(self.content, str):
             if not self.content:
                 raise InvalidRequestError("a Segment's text is empty")
-        elif not self.content or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in self.content
-        ):
+        elif not is_token_ids(self.content):
             raise InvalidRequestError("a Segment's content must be non-empty text or a list of token ids")
 
 
@@ -63,9 +61,9 @@ class Encoder(Protocol):
 
 def parse_prompt(prompt: Prompt, tokenizer: Encoder | None, vocab_size: int) -> ParsedPrompt:
     if isinstance(prompt, str):
-        ids = _bos(tokenizer) + _encode(prompt, tokenizer)
+        ids = bos_ids(tokenizer) + _encode(prompt, tokenizer)
         parsed = ParsedPrompt(tuple(ids))
-    elif isinstance(prompt, Sequence) and prompt and all(_is_token(t) for t in prompt):
+    elif isinstance(prompt, Sequence) and prompt and all(is_token(t) for t in prompt):
         parsed = ParsedPrompt(tuple(prompt))  # type: ignore[arg-type]
     elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
         parsed = _parse_parts(prompt, tokenizer)  # type: ignore[arg-type]
@@ -82,7 +80,7 @@ def parse_prompt(prompt: Prompt, tokenizer: Encoder | None, vocab_size: int) -> 
 
 
 def _parse_parts(parts: Sequence[Part], tokenizer: Encoder | None) -> ParsedPrompt:
-    ids: list[int] = _bos(tokenizer)
+    ids: list[int] = bos_ids(tokenizer)
     spans = []
     for part in parts:
         if isinstance(part, Segment):
@@ -93,7 +91,7 @@ def _parse_parts(parts: Sequence[Part], tokenizer: Encoder | None) -> ParsedProm
             ids += tokens
         elif isinstance(part, str):
             ids += _encode(part, tokenizer)
-        elif isinstance(part, Sequence) and all(_is_token(t) for t in part):
+        elif isinstance(part, Sequence) and all(is_token(t) for t in part):
             ids += [int(t) for t in part]
         else:
             raise InvalidRequestError(
@@ -102,8 +100,13 @@ def _parse_parts(parts: Sequence[Part], tokenizer: Encoder | None) -> ParsedProm
     return ParsedPrompt(tuple(ids), tuple(spans))
 
 
-def _is_token(t: object) -> bool:
+def is_token(t: object) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
+
+
+def is_token_ids(value: object) -> bool:
+    """A non-empty list or tuple of token ids (ints, not bools)."""
+    return isinstance(value, list | tuple) and bool(value) and all(is_token(t) for t in value)
 
 
 def _encode(text: str, tokenizer: Encoder | None) -> list[int]:
@@ -112,7 +115,8 @@ def _encode(text: str, tokenizer: Encoder | None) -> list[int]:
     return tokenizer.encode(text)
 
 
-def _bos(tokenizer: Encoder | None) -> list[int]:
+def bos_ids(tokenizer: Encoder | None) -> list[int]:
+    """The BOS rule, in one place: [BOS] when the model expects one at the start of a prompt, else []."""
     if tokenizer is not None and tokenizer.add_bos and tokenizer.bos_token_id is not None:
         return [tokenizer.bos_token_id]
     return []

@@ -99,9 +99,9 @@ class Simulator:
         """Acquire, copy a partial hit block, allocate the prompt's blocks. None if it had to abort."""
         assert prompt
         seq = CacheSeq(f"r{next(self._ids)}", namespace, list(prompt))
-        fps = fingerprints(namespace, seq.token_ids)
-        expected = self.expected_hit(namespace, seq.token_ids, fps)
-        assert self.cache.peek(namespace, seq.token_ids) == expected[0], "peek disagrees with the oracle"
+        fps = fingerprints(namespace, seq.keys)
+        expected = self.expected_hit(namespace, seq.keys, fps)
+        assert self.cache.peek(namespace, seq.keys) == expected[0], "peek disagrees with the oracle"
         hit = self.cache.acquire(seq)
         B = self.block_size
         assert hit.num_tokens == expected[0], f"hit {hit.num_tokens} tokens, oracle says {expected[0]}"
@@ -134,8 +134,8 @@ class Simulator:
     def prefill(self, req: SimRequest, next_token: int) -> None:
         seq = req.seq
         assert not req.prefilled
-        self.write(req, seq.num_computed, len(seq.token_ids))
-        seq.num_computed = len(seq.token_ids)
+        self.write(req, seq.num_computed, len(seq.keys))
+        seq.num_computed = len(seq.keys)
         self.cache.on_computed(seq)
         self.register(req)
         req.prefilled = True
@@ -176,7 +176,7 @@ class Simulator:
             assert isinstance(self.cache, RadixCache)
             length = seq.num_computed // self.cache.page_size * self.cache.page_size
             if length:
-                self.radix_seqs.setdefault(seq.namespace, []).append(tuple(seq.token_ids[:length]))
+                self.radix_seqs.setdefault(seq.namespace, []).append(tuple(seq.keys[:length]))
         del self.running[seq.request_id]
         self.held.subtract(seq.block_table)
         self.cache.release(seq)
@@ -225,7 +225,7 @@ class Simulator:
             self.kv[block][i % B] = req.fps[i]
 
     def sample(self, req: SimRequest, token: int) -> None:
-        req.seq.token_ids.append(token)
+        req.seq.keys.append(token)
         req.fps.append(hash((req.fps[-1], token)))
 
     def check_kv(self, blocks: list[int] | tuple[int, ...], fps: list[int], num_tokens: int) -> None:

@@ -24,7 +24,7 @@ from kvsplice.bench.report import markdown, summary_table
 from kvsplice.bench.results import BenchResult, MachineInfo
 from kvsplice.bench.systems import WordHashEncoder, default_systems, parse_systems, prompt_parts
 from kvsplice.prompt import Segment
-from kvsplice.repair import POLICY_NAMES
+from kvsplice.repair.registry import POLICY_NAMES
 
 
 def test_kl_of_known_distributions() -> None:

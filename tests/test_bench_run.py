@@ -69,12 +69,12 @@ def test_a_failing_system_is_shown_failed_and_the_rest_still_run(
 ) -> None:
     add_request = Engine.add_request
 
-    def flaky(self, prompt, params, **kwargs):  # type: ignore[no-untyped-def]
-        if kwargs.get("cache_salt") == "splice:deviation@15" and len(self._requests) == 0:
+    def flaky(self, prompt, params, options=None, **kwargs):  # type: ignore[no-untyped-def]
+        if options is not None and options.cache_salt == "splice:deviation@15" and len(self._requests) == 0:
             flaky.calls += 1  # type: ignore[attr-defined]
             if flaky.calls == 3:  # type: ignore[attr-defined]
                 raise RuntimeError("injected failure")
-        return add_request(self, prompt, params, **kwargs)
+        return add_request(self, prompt, params, options, **kwargs)
 
     flaky.calls = 0  # type: ignore[attr-defined]
     monkeypatch.setattr(Engine, "add_request", flaky)

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsplice.engine.runner import DecodeItem, ModelRunner
 from kvsplice.errors import ModelLoadError
 from kvsplice.kv.pool import KVPool
-from kvsplice.models.loader import load_model
+from kvsplice.models.build import load_model
+from kvsplice.models.runner import DecodeItem, ModelRunner
 from tests import tiny_models
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -43,9 +43,13 @@ def test_prefill_then_cached_prefill_then_decode_match(pair) -> None:
     runner, table = _runner(ours)
     # A full prefill of the first 50 tokens, then a prefill of 29 more on top of the cached 50,
     # then one decode step: each one's last logits match the reference at that position.
-    torch.testing.assert_close(runner.prefill(table, ids.tolist(), list(range(50))), expected[49], **TOL)
-    torch.testing.assert_close(runner.prefill(table, ids.tolist(), list(range(50, 79))), expected[78], **TOL)
-    decoded = runner.decode([DecodeItem(table, int(ids[79]), 79)])[0]
+    torch.testing.assert_close(
+        runner.prefill(table, ids.tolist(), list(range(50))).logits, expected[49], **TOL
+    )
+    torch.testing.assert_close(
+        runner.prefill(table, ids.tolist(), list(range(50, 79))).logits, expected[78], **TOL
+    )
+    decoded = runner.decode([DecodeItem(table, int(ids[79]), 79)]).logits[0]
     torch.testing.assert_close(decoded, expected[79], **TOL)
 
 
@@ -55,9 +59,9 @@ def test_every_decode_step_matches_recomputing_the_sequence(pair) -> None:
     runner, table = _runner(ours)
     runner.prefill(table, ids, list(range(40)))
     for position in range(40, LENGTH):
-        step = runner.decode([DecodeItem(table, ids[position], position)])[0]
+        step = runner.decode([DecodeItem(table, ids[position], position)]).logits[0]
         _, fresh = _runner(ours)
-        recomputed = runner.prefill(fresh, ids, list(range(position + 1)))
+        recomputed = runner.prefill(fresh, ids, list(range(position + 1))).logits
         torch.testing.assert_close(step, recomputed, **TOL)
 
 
@@ -69,7 +73,7 @@ def test_scattered_query_subset_matches(pair) -> None:
     runner, table = _runner(ours)
     runner.prefill(table, ids.tolist(), list(range(LENGTH)))
     subset = sorted({3, 17, 18, 40, 41, 42, 63, LENGTH - 1})
-    torch.testing.assert_close(runner.prefill(table, ids.tolist(), subset), expected[-1], **TOL)
+    torch.testing.assert_close(runner.prefill(table, ids.tolist(), subset).logits, expected[-1], **TOL)
 
 
 def test_batched_decode_of_unequal_sequences_matches(pair) -> None:
@@ -82,7 +86,7 @@ def test_batched_decode_of_unequal_sequences_matches(pair) -> None:
     for seq, table in zip(seqs, tables, strict=True):
         runner.prefill(table, seq.tolist(), list(range(len(seq) - 1)))
     items = [DecodeItem(t, int(s[-1]), len(s) - 1) for s, t in zip(seqs, tables, strict=True)]
-    logits = runner.decode(items)
+    logits = runner.decode(items).logits
     for row, seq in zip(logits, seqs, strict=True):
         torch.testing.assert_close(row, _reference_logits(reference, seq)[-1], **TOL)
 

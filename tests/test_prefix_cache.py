@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from kvsplice.cache.base import CacheSeq, NoPrefixCache, make_prefix_cache
+from kvsplice.cache.base import CacheSeq, NoPrefixCache
 from kvsplice.cache.hash_chain import (
     SEED_HASH,
     BlockHasher,
@@ -18,6 +18,7 @@ from kvsplice.cache.hash_chain import (
     first_block_extra_keys,
 )
 from kvsplice.cache.radix import RadixCache
+from kvsplice.cache.registry import make_prefix_cache
 from kvsplice.errors import OutOfBlocksError
 from kvsplice.kv.allocator import BlockAllocator
 from tests.prefix_cache_sim import Simulator

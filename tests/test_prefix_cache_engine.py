@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvsplice import LLM, SamplingParams
+from kvsplice.options import RequestOptions
 from tests import tiny_models
 
 BLOCK = 4
@@ -109,10 +110,12 @@ def test_engine_totals_count_queries_and_hits_in_tokens(model_dir: Path) -> None
 def test_cache_salt_isolates_tenants(model_dir: Path, cache: str) -> None:
     llm = _engine(model_dir, cache, 400)
     prompt = list(range(1, 40))
-    llm.generate([prompt], GREEDY, cache_salt="tenant-a")
-    other = llm.generate([prompt], GREEDY, cache_salt="tenant-b")[0]
-    same = llm.generate([prompt], GREEDY, cache_salt="tenant-a")[0]
-    unsalted = llm.generate([prompt, prompt], GREEDY, cache_salt=[None, "tenant-b"])
+    llm.generate([prompt], GREEDY, RequestOptions(cache_salt="tenant-a"))
+    other = llm.generate([prompt], GREEDY, RequestOptions(cache_salt="tenant-b"))[0]
+    same = llm.generate([prompt], GREEDY, RequestOptions(cache_salt="tenant-a"))[0]
+    unsalted = llm.generate(
+        [prompt, prompt], GREEDY, [RequestOptions(), RequestOptions(cache_salt="tenant-b")]
+    )
     assert other.metrics.prefix_hit_tokens == 0
     assert same.metrics.prefix_hit_tokens > 0
     assert unsalted[0].metrics.prefix_hit_tokens == 0

@@ -7,8 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsplice.planner import SpanKind, make_plan
-from kvsplice.repair import budget_tokens, make_policy
+from kvsplice.repair.base import RepairTask
+from kvsplice.repair.policies import DeviationObserver
+from kvsplice.repair.registry import budget_tokens, make_policy
+from kvsplice.reuse.plan import SpanKind, make_plan
 
 
 @st.composite
@@ -57,35 +59,43 @@ def test_policies_choose_spliced_positions_within_budget(case, ratio, name) -> N
     spliced = plan.positions(SpanKind.SPLICED)
     budget = budget_tokens(len(spliced), ratio, None)
     policy = make_policy(name)
-    decision = policy.decide(plan, budget, num_layers=4)
+    task = RepairTask(plan, budget, num_layers=4)
+    decision = policy.decide(task)
     assert set(decision.recompute) <= set(spliced)
     assert list(decision.recompute) == sorted(set(decision.recompute))
     if name == "full":
         assert list(decision.recompute) == spliced
-    elif decision.probe_layers:
-        deviation = {0: torch.rand(len(decision.recompute))}
-        chosen = policy.choose(deviation, budget)
-        assert len(chosen) == budget and chosen.tolist() == sorted(set(chosen.tolist()))
+    elif decision.probe is not None:
+        assert set(decision.probe.positions) == set(spliced) and decision.probe.last_layer == 1
+        assert isinstance(decision.probe.observer, DeviationObserver)
+        decision.probe.observer.score = torch.rand(n)
+        chosen = policy.choose(task, decision.probe)
+        assert len(chosen) == budget and list(chosen) == sorted(set(chosen)) and set(chosen) <= set(spliced)
     else:
         assert len(decision.recompute) <= budget
 
 
 def test_boundary_takes_the_first_tokens_of_each_segment() -> None:
     plan = make_plan(30, 0, [(1, 11, 0), (11, 21, 1)])
-    decision = make_policy("boundary").decide(plan, 5, num_layers=4)
+    decision = make_policy("boundary").decide(RepairTask(plan, 5, num_layers=4))
     assert decision.recompute == (1, 2, 3, 11, 12)
 
 
 def test_recency_takes_the_reused_tokens_nearest_the_end() -> None:
     plan = make_plan(30, 0, [(1, 11, 0), (12, 20, 1)])
-    assert make_policy("recency").decide(plan, 10, num_layers=4).recompute == (9, 10, *range(12, 20))
-    assert make_policy("recency").decide(plan, 0, num_layers=4).recompute == ()
+    recency = make_policy("recency")
+    assert recency.decide(RepairTask(plan, 10, num_layers=4)).recompute == (9, 10, *range(12, 20))
+    assert recency.decide(RepairTask(plan, 0, num_layers=4)).recompute == ()
 
 
 def test_deviation_keeps_the_most_deviating_tokens() -> None:
     policy = make_policy("deviation")
-    deviation = {0: torch.tensor([0.1, 5.0, 0.2, 3.0]), 1: torch.tensor([0.0, 0.0, 4.0, 0.0])}
-    assert policy.choose(deviation, 2).tolist() == [1, 2]
+    task = RepairTask(make_plan(8, 0, [(1, 5, 0)]), 2, num_layers=4)
+    probe = policy.decide(task).probe
+    assert probe is not None and probe.positions == (1, 2, 3, 4)
+    assert isinstance(probe.observer, DeviationObserver)
+    probe.observer.score = torch.tensor([9.0, 0.1, 5.0, 0.2, 3.0, 9.0, 9.0, 9.0])  # only 1..4 are candidates
+    assert policy.choose(task, probe) == (2, 4)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ import torch
 
 from kvsplice import LLM, SamplingParams, Segment
 from kvsplice.kv import rope
-from kvsplice.models.config import RopeSpec
+from kvsplice.model_config import RopeSpec
+from kvsplice.options import RequestOptions
 from tests import tiny_models
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, return_first_logits=True)
@@ -85,7 +86,7 @@ def test_metrics_add_up_and_recompute_stays_in_budget(
     llm = _llm(model_dir, prefix_cache="radix", repair=policy)
     _warm(llm)
     for ratio in ratios:
-        out = llm.generate([_parts([3, 1, 0, 2])], GREEDY, recompute_ratio=ratio)[0]
+        out = llm.generate([_parts([3, 1, 0, 2])], GREEDY, RequestOptions(recompute_ratio=ratio))[0]
         m = out.metrics
         assert m.prefix_hit_tokens + m.segment_hit_tokens + m.computed_tokens == m.prompt_tokens
         # The system prompt is an exact prefix hit from the warm-up request (and so are reused tokens
@@ -93,7 +94,7 @@ def test_metrics_add_up_and_recompute_stays_in_budget(
         assert m.prefix_hit_tokens >= len(SYSTEM) and m.computed_tokens == len(QUESTION)
         assert m.prefix_hit_tokens + m.segment_hit_tokens == len(SYSTEM) + sum(len(d) for d in DOCS)
         assert m.recomputed_tokens == round(ratio * m.segment_hit_tokens)
-    absolute = llm.generate([_parts([2, 3, 1, 0])], GREEDY, recompute_tokens=5)[0]
+    absolute = llm.generate([_parts([2, 3, 1, 0])], GREEDY, RequestOptions(recompute_tokens=5))[0]
     assert absolute.metrics.recomputed_tokens == (0 if policy == "none" else 5)
 
 
@@ -114,7 +115,7 @@ def test_a_turn_that_extends_a_spliced_request_reuses_its_kv(model_dir: Path) ->
     assert second.token_ids == first.token_ids[1:]
 
     # Other repair settings, or the same tokens without segment markup: only the instruction is shared.
-    other = llm.generate([follow], GREEDY, recompute_ratio=0.5)[0]
+    other = llm.generate([follow], GREEDY, RequestOptions(recompute_ratio=0.5))[0]
     assert other.metrics.prefix_hit_tokens == len(SYSTEM)
     plain = llm.generate([[*SYSTEM, *DOCS[2], *DOCS[0], *DOCS[3], *QUESTION]], GREEDY)[0]
     assert plain.metrics.prefix_hit_tokens == len(SYSTEM)
@@ -165,9 +166,9 @@ def test_approximate_kv_never_enters_the_prefix_cache(model_dir: Path) -> None:
 
 def test_cache_salt_isolates_segments(model_dir: Path) -> None:
     llm = _llm(model_dir, prefix_cache="off")
-    llm.generate([_parts([0, 1])], GREEDY, cache_salt="a")
-    other = llm.generate([_parts([1, 0])], GREEDY, cache_salt="b")[0]
-    same = llm.generate([_parts([1, 0])], GREEDY, cache_salt="a")[0]
+    llm.generate([_parts([0, 1])], GREEDY, RequestOptions(cache_salt="a"))
+    other = llm.generate([_parts([1, 0])], GREEDY, RequestOptions(cache_salt="b"))[0]
+    same = llm.generate([_parts([1, 0])], GREEDY, RequestOptions(cache_salt="a"))[0]
     assert other.metrics.segment_hit_tokens == 0
     assert same.metrics.segment_hit_tokens == len(DOCS[0]) + len(DOCS[1])
 
@@ -222,13 +223,13 @@ def test_moved_first_layer_keys_equal_keys_computed_at_the_new_positions(model_d
     _warm(llm)
     engine = llm.engine
     captured = {}
-    place = engine.prefiller._place
+    place = engine.reuse._place
 
     def spy(table, span, entry):
         place(table, span, entry)
         captured[span.start] = engine.pool.slots(table, torch.arange(span.start, span.end))
 
-    engine.prefiller._place = spy
+    engine.reuse._place = spy
     llm.generate([_parts([2, 0])], SamplingParams(max_tokens=1))
     moved = {start: engine.pool.k[0, slots].clone() for start, slots in captured.items()}
     table = engine.pool.allocator.allocate(20)
@@ -240,15 +241,38 @@ def test_moved_first_layer_keys_equal_keys_computed_at_the_new_positions(model_d
     assert len(moved) == 2
 
 
-def test_missed_segments_are_stored_after_the_first_token_is_out(model_dir: Path) -> None:
-    llm = _llm(model_dir, prefix_cache="off")
+def test_canonical_segments_are_computed_in_the_background_after_the_first_token(model_dir: Path) -> None:
+    llm = _llm(model_dir, prefix_cache="off", segment_kv="canonical")
     engine = llm.engine
-    engine.add_request([SYSTEM, Segment(DOCS[0]), QUESTION], GREEDY)
+    engine.add_request([SYSTEM, Segment(DOCS[0]), QUESTION], SamplingParams(max_tokens=1))
     first = engine.step()
     # The first token is out of the prefill step; the missed segment is not stored yet.
-    assert len(first) == 1 and len(first[0].new_token_ids) == 1 and len(engine.segment_store) == 0
-    assert engine.step() == [] and len(engine.segment_store) == 1
+    assert len(first) == 1 and first[0].output is not None and len(engine.segment_store) == 0
+    assert engine.has_unfinished()  # the store fill, background work
     while engine.has_unfinished():
-        outputs = engine.step()
-    assert outputs[0].output is not None
-    assert outputs[0].output.metrics.segment_store_tokens == len(DOCS[0])
+        assert engine.step() == []
+    assert len(engine.segment_store) == 1
+    assert engine.segment_store.stats.inserted_tokens == len(DOCS[0])
+
+
+def test_prompt_segments_are_kept_from_the_request_that_computed_them(model_dir: Path) -> None:
+    """segment_kv="prompt": the store keeps the KV the first request computed (no token computed twice),
+    moved to the canonical positions: its first-layer keys equal keys computed there directly."""
+    llm = _llm(model_dir, prefix_cache="off", repair="none")
+    engine = llm.engine
+    engine.add_request([SYSTEM, Segment(DOCS[1]), QUESTION], SamplingParams(max_tokens=1))
+    first = engine.step()
+    assert first[0].output is not None and not engine.has_unfinished()
+    assert len(engine.segment_store) == 1 and engine.segment_store.stats.inserted_tokens == len(DOCS[1])
+    assert first[0].output.metrics.computed_tokens == len(SYSTEM) + len(DOCS[1]) + len(QUESTION)
+    entry = engine.segment_store.lookup((str(engine.model_dir), None), tuple(DOCS[1]))
+    assert entry is not None
+    start = engine.segment_store.start_position
+    stored = engine.pool.k[0, engine.pool.slots(entry.blocks, torch.arange(len(DOCS[1])))]
+    tokens = [*([0] * start), *DOCS[1]]
+    table = engine.pool.allocator.allocate(-(-len(tokens) // engine.pool.block_size))
+    engine.runner.prefill(table, tokens, list(range(len(tokens))))
+    direct = engine.pool.k[0, engine.pool.slots(table, torch.arange(start, start + len(DOCS[1])))]
+    torch.testing.assert_close(stored, direct, atol=1e-4, rtol=1e-4)
+    again = llm.generate([[SYSTEM, Segment(DOCS[1]), QUESTION]], SamplingParams(max_tokens=1))[0]
+    assert again.metrics.segment_hit_tokens == len(DOCS[1])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvsplice import LLM, SamplingParams, Segment
+from kvsplice.options import RequestOptions
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ def test_canonical_context_is_longer_than_the_window_and_block_aligned(spliced: 
 
 def test_full_repair_equals_the_full_prefill(spliced: LLM, llm: LLM) -> None:
     order = [2, 0, 1]
-    got = spliced.generate([_prompt(order)], PARAMS, repair="full")[0]
+    got = spliced.generate([_prompt(order)], PARAMS, RequestOptions(repair="full"))[0]
     want = llm.generate([_prompt(order, segments=False)], PARAMS)[0]
     assert got.metrics.segment_hit_tokens > 0
     torch.testing.assert_close(got.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)
@@ -64,7 +65,9 @@ def test_repair_brings_the_answer_distribution_closer(spliced: LLM, llm: LLM) ->
     kl = {
         policy: _kl(
             want,
-            spliced.generate([_prompt(order)], PARAMS, repair=policy, recompute_ratio=0.3)[0].first_logits,
+            spliced.generate([_prompt(order)], PARAMS, RequestOptions(repair=policy, recompute_ratio=0.3))[
+                0
+            ].first_logits,
         )
         for policy in ("none", "recency", "full")
     }

@@ -49,7 +49,8 @@ from kvsplice.kv.pool import bytes_per_block
 from kvsplice.llm import LLM
 from kvsplice.loader.model_files import resolve_model_dir
 from kvsplice.loader.tokenizer import Tokenizer
-from kvsplice.models.config import ModelConfig
+from kvsplice.model_config import ModelConfig
+from kvsplice.options import RequestOptions
 from kvsplice.sampling import SamplingParams
 
 GIB = 2**30
@@ -208,13 +209,11 @@ class _Run:
         request_id = None
         try:
             prompt = prompt_parts(system, request, self.encode)
-            request_id = engine.add_request(
-                prompt,
-                self.params,
-                cache_salt=system.cache_salt,
-                repair=system.policy,
-                recompute_ratio=system.recompute_ratio,
+            options = RequestOptions(
+                repair=system.policy, recompute_ratio=system.recompute_ratio, cache_salt=system.cache_salt
             )
+            stored_before = engine.segment_store.stats.inserted_tokens
+            request_id = engine.add_request(prompt, self.params, options)
             # The request runs alone: step until the engine is idle, which includes the steps that store
             # the segments it missed (after its first token), so their KV counts for it.
             output, most, first = None, used_before, True
@@ -244,7 +243,7 @@ class _Run:
         record.segment_hit_tokens = m.segment_hit_tokens
         record.computed_tokens = m.computed_tokens
         record.recomputed_tokens = m.recomputed_tokens
-        record.store_tokens = m.segment_store_tokens
+        record.store_tokens = engine.segment_store.stats.inserted_tokens - stored_before
         record.prefill_flops = m.prefill_flops
         record.ttft_s = m.ttft_s
         record.kv_peak_bytes = peak * self.block_bytes

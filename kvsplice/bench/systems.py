@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvsplice.bench.base import BenchRequest, Doc
 from kvsplice.prompt import Part, Segment
-from kvsplice.repair import POLICY_NAMES
+from kvsplice.repair.registry import POLICY_NAMES
 
 REFERENCE = "off"
 PREFIX_SYSTEMS = ("off", "hash", "radix")

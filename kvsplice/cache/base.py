@@ -26,8 +26,9 @@ class CacheSeq:
     request_id: str
     # Requests in different namespaces (model, cache salt) never share KV.
     namespace: Hashable
-    # Every token of the request so far: the prompt, then the generated tokens.
-    token_ids: list[int]
+    # The ids the cache indexes, one per token: the prompt's token ids (or, under splicing, its segment
+    # keys: cache/segment_keys.py), then the generated tokens.
+    keys: list[int]
     # Block ids; token i's KV lives in block_table[i // block_size] at slot i % block_size.
     block_table: list[int] = field(default_factory=list)
     # Tokens 0 .. num_computed-1 have their KV written (the last sampled token never has).
@@ -66,8 +67,8 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def acquire(self, seq: CacheSeq) -> PrefixHit:
-        """Match seq.token_ids (the prompt; seq.num_computed == 0 and seq.block_table is empty) and take
-        the hit for the request. At most len(token_ids) - 1 tokens hit: the last prompt token is always
+        """Match seq.keys (the prompt; seq.num_computed == 0 and seq.block_table is empty) and take
+        the hit for the request. At most len(keys) - 1 tokens hit: the last prompt token is always
         computed, its logits are needed. Updates `stats`."""
 
     @abstractmethod
@@ -91,7 +92,7 @@ class NoPrefixCache(PrefixCache):
     name = "off"
 
     def acquire(self, seq: CacheSeq) -> PrefixHit:
-        self.stats.queries += len(seq.token_ids)
+        self.stats.queries += len(seq.keys)
         return PrefixHit(0, ())
 
     def peek(self, namespace: Hashable, token_ids: list[int]) -> int:
@@ -102,25 +103,3 @@ class NoPrefixCache(PrefixCache):
 
     def release(self, seq: CacheSeq) -> None:
         self.allocator.decref(reversed(seq.block_table))
-
-
-PREFIX_CACHES: dict[str, type[PrefixCache]] = {NoPrefixCache.name: NoPrefixCache}
-
-
-def register_prefix_cache(cls: type[PrefixCache]) -> type[PrefixCache]:
-    assert cls.name not in PREFIX_CACHES, f"prefix cache {cls.name!r} registered twice"
-    PREFIX_CACHES[cls.name] = cls
-    return cls
-
-
-def prefix_cache_names() -> tuple[str, ...]:
-    # Importing the implementations registers them.
-    from kvsplice.cache import hash_chain, radix  # noqa: F401
-
-    return tuple(PREFIX_CACHES)
-
-
-def make_prefix_cache(name: str, allocator: BlockAllocator) -> PrefixCache:
-    if name not in prefix_cache_names():
-        raise ValueError(f"unknown prefix cache {name!r}; choose one of {sorted(PREFIX_CACHES)}")
-    return PREFIX_CACHES[name](allocator)

@@ -20,7 +20,7 @@ import struct
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from kvsplice.cache.base import CacheSeq, PrefixCache, PrefixHit, register_prefix_cache
+from kvsplice.cache.base import CacheSeq, PrefixCache, PrefixHit
 from kvsplice.kv.allocator import BlockAllocator
 
 # vLLM's NONE_HASH, the parent of every first block. vLLM draws it at random unless PYTHONHASHSEED
@@ -88,7 +88,6 @@ class _RequestBlocks:
     num_cached: int = 0
 
 
-@register_prefix_cache
 class HashChainCache(PrefixCache):
     name = "hash"
 
@@ -112,11 +111,11 @@ class HashChainCache(PrefixCache):
         assert seq.request_id not in self._requests, f"request {seq.request_id!r} acquired twice"
         state = _RequestBlocks(first_block_extra_keys(seq.namespace))
         self._requests[seq.request_id] = state
-        num_tokens = len(seq.token_ids)
+        num_tokens = len(seq.keys)
         max_blocks = max(num_tokens - 1, 0) // self.block_size
         hit: list[int] = []
         for j in range(max_blocks):
-            block_hash = self._block_hash(state, seq.token_ids, j)
+            block_hash = self._block_hash(state, seq.keys, j)
             blocks = self._blocks_by_hash.get(block_hash)
             if blocks is None:
                 break
@@ -147,7 +146,7 @@ class HashChainCache(PrefixCache):
         )
         for j in range(state.num_cached, num_full):
             block = seq.block_table[j]
-            block_hash = self._block_hash(state, seq.token_ids, j)
+            block_hash = self._block_hash(state, seq.keys, j)
             # The allocator ran the eviction hook when it handed this block to the request.
             assert block not in self._hash_of_block, f"block {block} registered while it is still cached"
             self._hash_of_block[block] = block_hash

@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
-from kvsplice.cache.base import CacheSeq, PrefixCache, PrefixHit, register_prefix_cache
+from kvsplice.cache.base import CacheSeq, PrefixCache, PrefixHit
 from kvsplice.kv.allocator import BlockAllocator
 
 ChildKey = int | tuple[int, ...]
@@ -79,7 +79,6 @@ def _common_prefix_len(a: list[int], b: list[int], b_start: int, limit: int) -> 
     return n
 
 
-@register_prefix_cache
 class RadixCache(PrefixCache):
     name = "radix"
 
@@ -126,14 +125,14 @@ class RadixCache(PrefixCache):
         each block of the hit. When the hit ends inside a block the engine copies that block."""
         assert seq.num_computed == 0 and not seq.block_table, "acquire takes a fresh request"
         assert seq.request_id not in self._locked, f"request {seq.request_id!r} acquired twice"
-        num_tokens = len(seq.token_ids)
+        num_tokens = len(seq.keys)
         self.stats.queries += num_tokens
         limit = max(num_tokens - 1, 0) // self.page_size * self.page_size
         root = self._roots.get(seq.namespace)
         if root is None or limit == 0:
             self._locked[seq.request_id] = None
             return PrefixHit(0, ())
-        node, matched = self._match(root, seq.token_ids, limit, self._clock())
+        node, matched = self._match(root, seq.keys, limit, self._clock())
         if matched == 0:
             self._locked[seq.request_id] = None
             return PrefixHit(0, ())
@@ -178,7 +177,7 @@ class RadixCache(PrefixCache):
         self._assert_covers(seq)
         length = seq.num_computed // self.page_size * self.page_size
         if length > 0:
-            self._insert(seq.namespace, seq.token_ids, length, seq.block_table)
+            self._insert(seq.namespace, seq.keys, length, seq.block_table)
         node = locked
         while node is not None and node.parent is not None:
             assert node.lock_ref > 0, "unlock of a node that is not locked"

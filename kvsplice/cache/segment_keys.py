@@ -15,7 +15,8 @@ apart by the path they hang on.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import NamedTuple
 
 from kvsplice.prompt import ParsedPrompt
 
@@ -39,3 +40,24 @@ class SegmentKeys:
         if key is None:
             key = self._ids[triple] = self.vocab_size + len(self._ids)
         return key
+
+    def choose(
+        self, prompt: ParsedPrompt, settings: Hashable, approximate: bool, peek: Callable[[list[int]], int]
+    ) -> CacheKeys:
+        """The ids a request is cached under: plain token ids, or segment keys when the request splices
+        with a repair that leaves KV approximate and they match at least as much (`peek`: the prefix
+        cache's hit for some ids): then its KV, approximate or not, enters the prefix cache under them
+        and later requests that extend it reuse it."""
+        plain = list(prompt.token_ids)
+        if not prompt.segments or not approximate:
+            return CacheKeys(plain, False)
+        keys = self(prompt, settings)
+        if peek(keys) >= peek(plain):
+            return CacheKeys(keys, True)
+        return CacheKeys(plain, False)
+
+
+class CacheKeys(NamedTuple):
+    ids: list[int]
+    # The ids are segment keys: all of the request's KV may be indexed, approximate or not.
+    segment_keyed: bool

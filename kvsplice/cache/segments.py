@@ -24,8 +24,11 @@ import heapq
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from importlib import resources
 
 from kvsplice.kv.allocator import BlockAllocator
+from kvsplice.model_config import ModelConfig
+from kvsplice.prompt import Encoder, bos_ids
 
 
 @dataclass
@@ -72,6 +75,10 @@ class SegmentStore:
     def start_position(self) -> int:
         """The position of a segment's first token in its canonical sequence."""
         return len(self.context)
+
+    def contains(self, namespace: Hashable, tokens: tuple[int, ...]) -> bool:
+        """Whether the store holds these tokens; changes nothing (no stats, no access time)."""
+        return (namespace, tokens) in self._entries
 
     def lookup(self, namespace: Hashable, tokens: tuple[int, ...]) -> SegmentEntry | None:
         """The stored entry for these tokens, refreshed as most recently used.
@@ -120,3 +127,24 @@ class SegmentStore:
         entry.last_access = time.monotonic()
         self._counter += 1
         heapq.heappush(self._lru, (entry.last_access, self._counter, entry.key))
+
+
+def canonical_context_length(cfg: ModelConfig, block_size: int, requested: int | None) -> int:
+    """Tokens of the canonical context: `requested`, or by default the model's sliding window plus 64
+    (256 for a model without one), rounded up to whole blocks."""
+    length = requested if requested is not None else (cfg.sliding_window + 64 if cfg.sliding_window else 256)
+    return -(-length // block_size) * block_size
+
+
+def canonical_context(
+    tokenizer: Encoder | None, cfg: ModelConfig, block_size: int, requested: int | None
+) -> tuple[int, ...]:
+    """The context every stored segment is computed after: BOS (when the model expects one), then
+    generic documents, `canonical_context_length` tokens. Empty for a model without a tokenizer."""
+    if tokenizer is None:
+        return ()
+    length = canonical_context_length(cfg, block_size, requested)
+    text = (resources.files("kvsplice") / "data" / "segment_context.txt").read_text()
+    filler = tokenizer.encode(text)
+    tokens = bos_ids(tokenizer) + filler * (1 + length // len(filler))
+    return tuple(tokens[:length])

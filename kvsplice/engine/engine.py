@@ -1,54 +1,50 @@
 """The engine: owns the model, the KV pool and the caches, and advances every request one step at a time.
 
-step():  store the segments a request missed, if one waits for that (a step of its own), else:
-         batch = scheduler.schedule()
-         logits = prefill of one request  |  batched decode of the running ones
-         sample, append, detokenize, finish; release the finished requests' KV into the caches
+step():  admit waiting requests (scheduler), preparing each one's prefill (reuse path)
+         batch = scheduler.schedule(): decode tokens + prefill chunks under the token budget
+         run the decode batch and the chunks (runner); sample, append, finish (output processor)
+         spend budget nobody needed on background work: filling the segment store
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
-from collections.abc import Hashable
-from dataclasses import dataclass
 
 import torch
 
-from kvsplice.cache.base import CacheSeq, make_prefix_cache
-from kvsplice.cache.segments import SegmentStore
+from kvsplice.cache.base import CacheSeq
+from kvsplice.cache.registry import make_prefix_cache
+from kvsplice.cache.segments import SegmentStore, canonical_context
 from kvsplice.config import EngineConfig
-from kvsplice.engine.prefill import Prefiller, canonical_context
-from kvsplice.engine.request import RepairSettings, Request, Status
-from kvsplice.engine.runner import DecodeItem, ModelRunner
-from kvsplice.engine.scheduler import Scheduler
-from kvsplice.errors import InvalidRequestError, PromptTooLongError
+from kvsplice.engine.block_manager import BlockManager
+from kvsplice.engine.output import OutputProcessor, StepOutput
+from kvsplice.engine.request import Request, Status
+from kvsplice.engine.scheduler import Scheduler, StepBatch
+from kvsplice.errors import InvalidRequestError, PromptTooLongError, QueueFullError
 from kvsplice.kv.pool import KVPool
 from kvsplice.loader.model_files import resolve_model_dir
-from kvsplice.loader.tokenizer import IncrementalDecoder, Tokenizer
-from kvsplice.models.loader import load_model
+from kvsplice.loader.tokenizer import Tokenizer
+from kvsplice.models.build import load_model
+from kvsplice.models.runner import DecodeItem, ModelRunner
+from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.prompt import Prompt, parse_prompt
-from kvsplice.repair import POLICY_NAMES
+from kvsplice.reuse.plan import SpanKind
+from kvsplice.reuse.prefill import Prefill, ReusePath
+from kvsplice.reuse.store_fill import StoreFill, capture_in_place
+from kvsplice.reuse.work import PrefillWork
 from kvsplice.sampling import SamplingParams, sample
 
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step produced for one request: the new tokens and text, and the output once finished."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    new_text: str
-    output: RequestOutput | None
+__all__ = ["Engine", "StepOutput"]
 
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(config.threads)
         device = torch.device(config.device)
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = (
@@ -74,19 +70,24 @@ class Engine:
             self.tokenizer, self.model_config, config.block_size, config.segment_context_tokens
         )
         self.segment_store = SegmentStore(self.pool.allocator, context)
-        self.prefiller = Prefiller(
-            self.runner, self.pool, self.prefix_cache, self.segment_store, self.max_model_len
+        self.reuse = ReusePath(self.runner, self.pool, self.segment_store)
+        self.blocks = BlockManager(
+            self.pool, self.prefix_cache, self.max_model_len, self.model_config.vocab_size
         )
-        self.scheduler = Scheduler(config.max_num_seqs, self.prefiller.try_admit)
-        self.eos_ids = frozenset(
-            self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
+        self.scheduler = Scheduler(
+            self.blocks,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.prefill_chunk_cap,
         )
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
+        self.outputs = OutputProcessor(self.tokenizer, frozenset(eos), self.max_model_len)
         self._requests: dict[str, Request] = {}
-        self._decoders: dict[str, IncrementalDecoder] = {}
-        self._emitted: dict[str, int] = {}
         self._ids = itertools.count()
-        # Requests whose missed segments still have to be computed on their own and stored.
-        self._store_queue: deque[Request] = deque()
+        # Segments requests missed, to compute on their own and store; the one being computed.
+        self._fills: deque[StoreFill] = deque()
+        self._filling: tuple[StoreFill, PrefillWork] | None = None
+        self.fills_dropped = 0
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -94,14 +95,14 @@ class Engine:
         self,
         prompt: Prompt,
         params: SamplingParams,
+        options: RequestOptions | None = None,
         *,
         request_id: str | None = None,
-        cache_salt: str | None = None,
-        repair: str | None = None,
-        recompute_ratio: float | None = None,
-        recompute_tokens: int | None = None,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError (or PromptTooLongError) for bad input."""
+        options = options or RequestOptions()
+        if not isinstance(options, RequestOptions):
+            raise InvalidRequestError("options must be a RequestOptions")
         parsed = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
         n = len(parsed.token_ids)
         if n >= self.max_model_len:
@@ -109,150 +110,158 @@ class Engine:
                 f"the prompt has {n} tokens; this engine's context is {self.max_model_len} tokens "
                 "(prompt plus at least one generated token)"
             )
-        settings = self._repair_settings(repair, recompute_ratio, recompute_tokens)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError("cache_salt must be a string")
+        if not self.blocks.fits_empty_pool(n, params.max_tokens):
+            raise PromptTooLongError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs more KV than the pool "
+                f"holds ({self.pool.capacity_tokens} tokens); raise kv_cache_gb or lower max_tokens"
+            )
+        scheduler = self.scheduler
+        free_seats = max(0, scheduler.max_num_seqs - len(scheduler.running))
+        if len(scheduler.waiting) >= self.config.max_waiting + free_seats:
+            raise QueueFullError(
+                f"{len(scheduler.waiting)} requests are already waiting "
+                f"(max_waiting={self.config.max_waiting})"
+            )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        namespace: Hashable = (str(self.model_dir), cache_salt)
-        seed = params.seed if params.seed is not None else self.config.seed + next(self._ids)
+        c = self.config
+        settings = options.resolve(c.repair, c.recompute_ratio, c.recompute_tokens)
+        namespace = options.namespace(str(self.model_dir))
+        seed = params.seed if params.seed is not None else c.seed + next(self._ids)
         generator = None if params.greedy else torch.Generator(device=self.pool.device).manual_seed(seed)
         request = Request(
             request_id=request_id,
             prompt=parsed,
             params=params,
             repair=settings,
+            namespace=namespace,
             seq=CacheSeq(request_id, namespace, list(parsed.token_ids)),
             generator=generator,
         )
-        # One block to spare: admission copies a partial prefix hit into a fresh block while it still
-        # holds the shared one (Prefiller.try_admit), so a request that needs every block never fits.
-        if self.prefiller.blocks_needed(request) + 1 > self.pool.num_blocks:
-            raise PromptTooLongError(
-                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs more KV "
-                f"than the pool holds "
-                f"({self.pool.capacity_tokens} tokens); raise kv_cache_gb or lower max_tokens"
-            )
         self._requests[request_id] = request
-        self._decoders[request_id] = IncrementalDecoder(self.tokenizer) if self.tokenizer else None  # type: ignore[assignment]
-        self._emitted[request_id] = 0
+        self.outputs.add(request_id)
         self.scheduler.add(request)
         return request_id
-
-    def _repair_settings(self, policy: str | None, ratio: float | None, tokens: int | None) -> RepairSettings:
-        policy = self.config.repair if policy is None else policy
-        if policy not in POLICY_NAMES:
-            raise InvalidRequestError(f"unknown repair policy {policy!r}; choose one of {POLICY_NAMES}")
-        ratio = self.config.recompute_ratio if ratio is None else ratio
-        if not isinstance(ratio, int | float) or not 0 <= ratio <= 1:
-            raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
-        tokens = self.config.recompute_tokens if tokens is None else tokens
-        if tokens is not None and (not isinstance(tokens, int) or tokens < 0):
-            raise InvalidRequestError(f"recompute_tokens must be an integer >= 0, got {tokens!r}")
-        return RepairSettings(policy, float(ratio), tokens)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (a client went away): its blocks are released at once."""
         request = self._requests.get(request_id)
         if request is None:
             return
-        self.scheduler.remove(request)
         request.finish_reason = "abort"
         self._finish(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._store_queue)
+        return self.scheduler.has_work() or bool(self._fills) or self._filling is not None
 
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        if self._store_queue:
-            # A step of its own, so that the first token of the request that missed the segments has
-            # already gone out to its caller (a streaming client) when this work starts.
-            stored = self._store_queue.popleft()
-            self.prefiller.store_segments(stored)
-            return []
+        while (admitted := self.scheduler.admit_next()) is not None:
+            self._prepare(admitted)
         batch = self.scheduler.schedule()
-        if batch.prefill is not None:
-            request = batch.prefill
-            request.metrics.queue_s = time.perf_counter() - request.arrival
-            result = self.prefiller.run(request)
-            request.kv_len = request.num_prompt_tokens
-            self._computed(request)
-            if request.params.return_first_logits:
-                request.first_logits = result.logits.clone()
-            if request.pending_segments:
-                self._store_queue.append(request)
-            return [self._append(request, result.logits)]
-        if not batch.decode:
-            return []
+        outputs = self._decode(batch) if batch.decode else []
+        for request, tokens in batch.prefill:
+            outputs += self._prefill_chunk(request, tokens)
+        if batch.background_tokens > 0:
+            self._background(batch.background_tokens)
+        return outputs
+
+    def _prepare(self, request: Request) -> None:
+        assert request.admission is not None
+        request.metrics.queue_s = time.perf_counter() - request.arrival
+        request.prefill = self.reuse.prepare(
+            request.prompt,
+            request.namespace,
+            request.repair,
+            request.seq.block_table,
+            request.admission.prefix_hit_tokens,
+        )
+
+    def _decode(self, batch: StepBatch) -> list[StepOutput]:
         items = [
-            DecodeItem(r.seq.block_table, r.seq.token_ids[-1], len(r.seq.token_ids) - 1) for r in batch.decode
+            DecodeItem(r.seq.block_table, r.output_ids[-1], r.num_prompt_tokens + len(r.output_ids) - 1)
+            for r in batch.decode
         ]
-        logits = self.runner.decode(items)
+        logits = self.runner.decode(items).logits
+        assert logits is not None
         outputs = []
         for request, row in zip(batch.decode, logits, strict=True):
             request.kv_len += 1
-            self._computed(request)
-            outputs.append(self._append(request, row))
+            self.blocks.computed(request)
+            outputs.append(self._sampled(request, row))
         return outputs
 
-    def _computed(self, request: Request) -> None:
-        # Under plain token ids the prefix cache sees only the exact part of the request's KV.
-        exact = None if request.segment_keyed else request.exact_until
-        request.seq.num_computed = request.kv_len if exact is None else min(request.kv_len, exact)
-        self.prefix_cache.on_computed(request.seq)
+    def _prefill_chunk(self, request: Request, tokens: int) -> list[StepOutput]:
+        prefill = request.prefill
+        assert prefill is not None
+        chunk = prefill.work.next_chunk(tokens)
+        logits = prefill.work.complete(chunk, self.runner.forward(chunk))
+        if not prefill.work.done:
+            return []
+        assert logits is not None
+        request.kv_len = request.num_prompt_tokens
+        self.blocks.computed(request)
+        plan, m = prefill.plan, request.metrics
+        m.prompt_tokens = request.num_prompt_tokens
+        m.prefix_hit_tokens = request.admission.prefix_hit_tokens if request.admission else 0
+        m.segment_hit_tokens = plan.tokens(SpanKind.SPLICED)
+        m.computed_tokens = plan.tokens(SpanKind.COMPUTE)
+        m.recomputed_tokens = prefill.recomputed
+        m.prefill_flops = prefill.work.flops
+        if request.params.return_first_logits:
+            request.first_logits = logits.clone()
+        self._store_missed(request, prefill)
+        return [self._sampled(request, logits)]
 
-    def _append(self, request: Request, logits: torch.Tensor) -> StepOutput:
+    def _store_missed(self, request: Request, prefill: Prefill) -> None:
+        store, runner = self.segment_store, self.runner
+        for missed in prefill.missed:
+            if self.config.segment_kv == "prompt":
+                capture_in_place(
+                    store, self.pool, runner.cfg, runner.freqs, request.namespace, missed.tokens,
+                    request.seq.block_table, missed.start,
+                )  # fmt: skip
+            else:
+                self._fills.append(
+                    StoreFill(store, self.pool, runner.num_layers, request.namespace, missed.tokens)
+                )
+
+    def _background(self, tokens: int) -> None:
+        """One chunk of store-filling work, at most `tokens` long."""
+        while self._filling is None and self._fills:
+            fill = self._fills.popleft()
+            work = fill.start()
+            if work is None:
+                self.fills_dropped += not self.segment_store.contains(fill.namespace, fill.tokens)
+                continue
+            self._filling = (fill, work)
+        if self._filling is None:
+            return
+        fill, work = self._filling
+        chunk = work.next_chunk(tokens)
+        work.complete(chunk, self.runner.forward(chunk))
+        if work.done:
+            fill.finish()
+            self._filling = None
+
+    def _sampled(self, request: Request, logits: torch.Tensor) -> StepOutput:
         token = sample(logits, request.params, request.generator)
-        now = time.perf_counter()
         if not request.output_ids:
-            request.metrics.ttft_s = now - request.arrival
-        request.output_ids.append(token)
-        request.seq.token_ids.append(token)
-        params = request.params
-        decoder = self._decoders[request.request_id]
-        is_eos = token in self.eos_ids and not params.ignore_eos
-        if decoder is not None and not is_eos:
-            request.text += decoder.push(token)
-        if is_eos:
-            request.finish_reason = "stop"
-        elif len(request.output_ids) >= params.max_tokens or len(request.seq.token_ids) >= self.max_model_len:
-            request.finish_reason = "length"
-        if request.finish_reason is not None and decoder is not None:
-            # Bytes of a character still incomplete when generation ends.
-            request.text += decoder.flush()
-        cuts = [cut for stop in params.stop if (cut := request.text.find(stop)) != -1]
-        if cuts:
-            request.text = request.text[: min(cuts)]
-            request.finish_reason = "stop"
-        # Text that might be the start of a stop string is held back until it is decided.
-        text = request.text
-        hold = 0 if request.finish_reason else max((_overlap(text, s) for s in params.stop), default=0)
-        start = self._emitted[request.request_id]
-        new_text = text[start : len(text) - hold]
-        self._emitted[request.request_id] = start + len(new_text)
-        output = None
-        if request.finish_reason is not None:
-            self.scheduler.remove(request)
-            output = self._finish(request)
-        return StepOutput(request.request_id, (token,), new_text, output)
+            request.metrics.ttft_s = time.perf_counter() - request.arrival
+        request.seq.keys.append(token)
+        out = self.outputs.append(request, token)
+        if request.finish_reason is None:
+            return out
+        return dataclasses.replace(out, output=self._finish(request))
 
     def _finish(self, request: Request) -> RequestOutput:
-        if request.seq.block_table:
-            self.prefix_cache.release(request.seq)
-        request.status = Status.FINISHED
+        if request.status is not Status.FINISHED:
+            self.scheduler.remove(request)
+        self.blocks.free(request)
         request.metrics.generated_tokens = len(request.output_ids)
         request.metrics.e2e_s = time.perf_counter() - request.arrival
-        del self._requests[request.request_id], self._decoders[request.request_id]
-        del self._emitted[request.request_id]
+        del self._requests[request.request_id]
+        self.outputs.remove(request.request_id)
         return request.to_output()
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest proper prefix of `stop` that `text` ends with."""
-    for k in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:k]):
-            return k
-    return 0

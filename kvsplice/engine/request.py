@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
 from kvsplice.cache.base import CacheSeq
+from kvsplice.options import RepairSettings
 from kvsplice.outputs import RequestMetrics, RequestOutput
 from kvsplice.prompt import ParsedPrompt
+from kvsplice.reuse.prefill import Prefill
 from kvsplice.sampling import SamplingParams
 
 
@@ -21,10 +24,13 @@ class Status(Enum):
 
 
 @dataclass(frozen=True)
-class RepairSettings:
-    policy: str
-    ratio: float
-    tokens: int | None
+class Admission:
+    """What admission gave a request: its cached prefix (its blocks are the start of seq.block_table,
+    which holds room for the whole request) and how the prefix cache keys it."""
+
+    prefix_hit_tokens: int
+    # Keyed by segment keys (cache/segment_keys.py): all its KV may be indexed, approximate or not.
+    segment_keyed: bool
 
 
 @dataclass
@@ -33,30 +39,38 @@ class Request:
     prompt: ParsedPrompt
     params: SamplingParams
     repair: RepairSettings
-    # What the prefix cache sees; token_ids grows with the generated tokens.
+    namespace: Hashable
+    # What the prefix cache sees; its keys grow with the generated tokens.
     seq: CacheSeq
     generator: torch.Generator | None
     status: Status = Status.WAITING
+    admission: Admission | None = None
+    # The prefill's plan and work, from admission until the request finishes.
+    prefill: Prefill | None = None
     # Tokens whose KV is written (the last sampled token never is).
     kv_len: int = 0
-    # The first position whose KV is approximate (reused KV spliced in and not fully recomputed: it and
-    # every later token's KV); None while all KV is exact. Only exact KV may enter the prefix caches.
-    exact_until: int | None = None
-    # The prefix cache sees the request under segment keys (cache/segment_keys.py): all its KV may be
-    # indexed, approximate or not, since only requests with the same segments and repair can match it.
-    segment_keyed: bool = False
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     first_logits: torch.Tensor | None = None
     arrival: float = field(default_factory=time.perf_counter)
-    # Segment spans missed at prefill, to compute on their own and store once the first token is out.
-    pending_segments: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt.token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefill is not None and not self.prefill.work.done
+
+    @property
+    def indexable_len(self) -> int:
+        """Tokens whose KV the prefix cache may index: all written KV under segment keys; under plain
+        token ids only the exact part (reused KV spliced in and not recomputed is approximate)."""
+        assert self.admission is not None and self.prefill is not None
+        exact = None if self.admission.segment_keyed else self.prefill.exact_until
+        return self.kv_len if exact is None else min(self.kv_len, exact)
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(

@@ -1,30 +1,53 @@
-"""Which requests run in the next engine step: one prefill, or one batched decode of every running request.
+"""Which tokens run in the next engine step: one batch under a token budget.
 
-New requests are admitted first (time to first token matters most), up to `max_num_seqs` running
-at once and as long as the KV pool can reserve their blocks; otherwise the running requests decode
-together in one batch.
+Every step, in this order, up to `max_num_batched_tokens` tokens:
+1. every running request that has finished its prefill decodes one token;
+2. requests still in prefill get chunks of their prefill, first-come first-served: in a first round
+   each takes at most `long_prefill_token_threshold` tokens, so a long prompt cannot hold back a short
+   one that arrived during its prefill; what is left goes round again, in the same order, uncapped;
+3. waiting requests are admitted in arrival order (the head of the queue is never skipped, so none
+   starves) while seats, memory and budget last, and take their first chunk in the same rounds;
+4. budget nobody needed is left for background work (filling the segment store), but only in a step
+   with no prefill in it and no request waiting.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvsplice.engine.block_manager import BlockManager
 from kvsplice.engine.request import Request, Status
 
 
 @dataclass(frozen=True)
-class Batch:
-    prefill: Request | None
-    decode: tuple[Request, ...] = ()
+class StepBatch:
+    decode: tuple[Request, ...]
+    # Requests in prefill and how many of their next prefill tokens run this step.
+    prefill: tuple[tuple[Request, int], ...]
+    # Tokens background work may use this step.
+    background_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, admit: Callable[[Request], bool]) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        long_prefill_token_threshold: int,
+    ) -> None:
+        assert max_num_batched_tokens > max_num_seqs, "every running request must fit a step's budget"
+        self.blocks = blocks
         self.max_num_seqs = max_num_seqs
-        self._admit = admit
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Request] = deque()
+        # In admission order, which is arrival order.
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
@@ -33,21 +56,58 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch:
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            if self._admit(request):
-                self.waiting.popleft()
-                request.status = Status.RUNNING
-                self.running.append(request)
-                return Batch(prefill=request)
-            # Nothing running holds memory that could be freed: admission can only fail for lack of
-            # memory the running requests hold, and each request was checked to fit an empty pool.
+    def admit_next(self) -> Request | None:
+        """Admit the oldest waiting request if a seat, memory and some of this step's budget remain.
+        The caller prepares its prefill (request.prefill) before admitting the next one."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs or self._spare_budget() <= 0:
+            return None
+        request = self.waiting[0]
+        admission = self.blocks.admit(request)
+        if admission is None:
+            # Only memory held by running requests can be missing: each request was checked to fit an
+            # empty pool. It waits at the head of the queue until they free some.
             assert self.running, f"request {request.request_id} cannot be admitted into an idle engine"
-        return Batch(prefill=None, decode=tuple(self.running))
+            return None
+        self.waiting.popleft()
+        request.status, request.admission = Status.RUNNING, admission
+        self.running.append(request)
+        return request
+
+    def schedule(self) -> StepBatch:
+        budget = self.max_num_batched_tokens
+        decode = tuple(r for r in self.running if r.prefill is not None and not r.in_prefill)
+        budget -= len(decode)
+        prefilling = [r for r in self.running if r.in_prefill]
+        grants: dict[str, int] = {}
+        for cap in (self.long_prefill_token_threshold, None):
+            for request in prefilling:
+                assert request.prefill is not None
+                given = grants.get(request.request_id, 0)
+                left = request.prefill.work.remaining - given
+                take = min(left, budget) if cap is None else min(left, budget, max(cap - given, 0))
+                if take > 0:
+                    grants[request.request_id] = given + take
+                    budget -= take
+        prefill = tuple((r, grants[r.request_id]) for r in prefilling if r.request_id in grants)
+        # A step's outputs go out when all of it has run: background work shares no step with a prefill,
+        # so no first token ever waits for it.
+        return StepBatch(decode, prefill, 0 if self.waiting or prefill else budget)
 
     def remove(self, request: Request) -> None:
         if request.status is Status.WAITING:
             self.waiting.remove(request)
         else:
             self.running.remove(request)
+        request.status = Status.FINISHED
+
+    def _spare_budget(self) -> int:
+        """Budget left this step after the running requests' shares (prefills at their capped share)."""
+        used = 0
+        for request in self.running:
+            assert request.prefill is not None, "every admitted request is prepared before the next"
+            if request.in_prefill:
+                assert request.prefill is not None
+                used += min(request.prefill.work.remaining, self.long_prefill_token_threshold)
+            else:
+                used += 1
+        return self.max_num_batched_tokens - used

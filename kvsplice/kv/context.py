@@ -2,19 +2,28 @@
 
 The model's layers call `ctx.rope(layer)` for the cos/sin of their queries' positions and
 `ctx.attention(layer, q, k, v)`, which writes the queries' own K/V into their slots first and then
-attends over every key of each sequence through the one attention primitive. The runner may narrow
-the set of query tokens between layers (sparse repair), which is why positions and slots live here
-and not in the model.
+attends over every key of each sequence through the one attention primitive. An optional observer
+(a probing repair policy) sees the new K/V of chosen layers before they overwrite what the slots held.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
 from kvsplice.kv import rope
 from kvsplice.kv.attention import attend
 from kvsplice.kv.pool import KVPool
-from kvsplice.models.config import ModelConfig
+from kvsplice.model_config import ModelConfig
+
+
+class LayerObserver(Protocol):
+    """Watches the new K/V of a pass's queries on `layers`, before they are written to the pool."""
+
+    layers: frozenset[int]
+
+    def observe(self, layer: int, ctx: ForwardContext, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
 class ForwardContext:
@@ -27,6 +36,7 @@ class ForwardContext:
         write_slots: torch.Tensor,
         key_slots: torch.Tensor,
         key_pos: torch.Tensor,
+        observer: LayerObserver | None = None,
     ) -> None:
         """positions, write_slots: [B, T]; key_slots, key_pos: [B, S] (padding: slot 0, position NO_KEY)."""
         self.cfg = cfg
@@ -36,11 +46,8 @@ class ForwardContext:
         self.write_slots = write_slots
         self.key_slots = key_slots
         self.key_pos = key_pos
+        self.observer = observer
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Layers on which to measure how far the new K/V of some queries deviate from what the
-        # pool held in their slots before (CacheBlend's selection signal): layer -> query indices.
-        self.probe: dict[int, torch.Tensor] = {}
-        self.deviation: dict[int, torch.Tensor] = {}
 
     def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         kind = self.cfg.layer_types[layer]
@@ -50,15 +57,9 @@ class ForwardContext:
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, T, Hq, D], k, v: [B, T, Hkv, D] (after RoPE) -> [B, T, Hq, D]."""
-        slots = self.write_slots.flatten()
-        k_flat, v_flat = k.flatten(0, 1), v.flatten(0, 1)  # [B*T, Hkv, D]
-        if layer in self.probe:
-            index = self.probe[layer]
-            old_k, old_v = self.pool.read(layer, slots[index])
-            k_dev = (k_flat[index] - old_k.to(k.dtype)).square().sum(dim=(-2, -1))
-            v_dev = (v_flat[index] - old_v.to(v.dtype)).square().sum(dim=(-2, -1))
-            self.deviation[layer] = k_dev + v_dev
-        self.pool.write(layer, slots, k_flat, v_flat)
+        if self.observer is not None and layer in self.observer.layers:
+            self.observer.observe(layer, self, k, v)
+        self.pool.write(layer, self.write_slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
         keys, values = self.pool.read(layer, self.key_slots)  # [B, S, Hkv, D]
         return attend(
             q,
@@ -69,10 +70,3 @@ class ForwardContext:
             scale=self.cfg.attn_scale,
             window=self.cfg.window(layer),
         )
-
-    def keep(self, index: torch.Tensor) -> None:
-        """Narrow the queries of a single sequence to `index` ([T'] sorted indices into its T tokens)."""
-        assert self.positions.shape[0] == 1, "narrowing queries is for one sequence at a time"
-        self.positions = self.positions[:, index]
-        self.write_slots = self.write_slots[:, index]
-        self._rope = {kind: (c[:, index], s[:, index]) for kind, (c, s) in self._rope.items()}

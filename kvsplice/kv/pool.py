@@ -11,7 +11,7 @@ import torch
 
 from kvsplice.errors import OutOfBlocksError
 from kvsplice.kv.allocator import BlockAllocator
-from kvsplice.models.config import ModelConfig
+from kvsplice.model_config import ModelConfig
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from kvsplice.models.config import RopeSpec
+from kvsplice.model_config import RopeSpec
 
 
 def inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:

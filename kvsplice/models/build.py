@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 from kvsplice.errors import ModelLoadError
-from kvsplice.models.config import ModelConfig
+from kvsplice.model_config import ModelConfig
 from kvsplice.models.layers import CausalLM
-from kvsplice.models.registry import build_model
+from kvsplice.models.registry import build_model, check_architecture
 
 # Buffers some older checkpoints saved; kvsplice derives them from the config instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -33,6 +33,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM
 
 
 def _load(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    check_architecture(path)
     cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = build_model(cfg)

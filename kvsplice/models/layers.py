@@ -8,7 +8,7 @@ from torch import nn
 
 from kvsplice.kv import rope
 from kvsplice.kv.context import ForwardContext
-from kvsplice.models.config import ModelConfig
+from kvsplice.model_config import ModelConfig
 
 ACTIVATIONS = {
     "silu": F.silu,

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvsplice.kv.context import ForwardContext
-from kvsplice.models.config import ModelConfig
+from kvsplice.model_config import ModelConfig
 from kvsplice.models.layers import Attention, CausalLM, GatedMLP, RMSNorm
 
 

@@ -1,41 +1,56 @@
-"""The model runner: executes one forward pass over the KV pool, layer by layer.
+"""The model runner: executes forward passes over the KV pool, and returns what it computed.
 
 Two entry points, both built on the same context and the same attention primitive:
-`prefill` runs one sequence's query tokens (a whole prompt, the part after a cached prefix, or a
-scattered set of tokens to repair), `decode` runs one new token for each of a batch of sequences.
+`forward` runs query tokens of one sequence through a range of layers (a prefill chunk: part of a
+prompt, the part after a cached prefix, a scattered set of tokens to repair, or a probe through the
+first layers), `decode` runs one new token for each of a batch of sequences through every layer.
 Only the logits of each sequence's last token are computed: the LM head of a large vocabulary
 (Gemma 3: 262,144 x 640) would otherwise dominate prefill.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvsplice.kv import rope
 from kvsplice.kv.attention import NO_KEY
-from kvsplice.kv.context import ForwardContext
+from kvsplice.kv.context import ForwardContext, LayerObserver
 from kvsplice.kv.pool import KVPool
 from kvsplice.models.layers import CausalLM
 
 
 @dataclass(frozen=True)
-class Narrowing:
-    """Sparse repair driven by the model's own signal (CacheBlend): on the layers `probe_layers`,
-    every candidate query is computed and its K/V deviation from the cached K/V is measured; after
-    the last probe layer `choose(deviation)` returns which candidates (indices into `candidates`)
-    keep being computed on the remaining layers. Non-candidate queries are always computed."""
+class ForwardChunk:
+    """Query tokens of one sequence through `layers`.
 
-    probe_layers: tuple[int, ...]
-    candidates: torch.Tensor  # [C] indices into the query tokens
-    choose: Callable[[dict[int, torch.Tensor]], torch.Tensor]
+    Every position below positions[-1] that is not a query must already hold valid KV on these layers.
+    `hidden` is the input of layers.start ([T, hidden]) when that is not the first layer."""
+
+    block_table: Sequence[int]
+    positions: Sequence[int]  # sorted
+    token_ids: Sequence[int]  # the tokens at `positions`
+    layers: range
+    hidden: torch.Tensor | None = None
+    need_logits: bool = False
+    observer: LayerObserver | None = None
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    # float32 [vocab] for a chunk that asked for them, [B, vocab] for a decode batch.
+    logits: torch.Tensor | None
+    # The output of the chunk's last layer, [T, hidden], when that is not the model's last layer.
+    hidden: torch.Tensor | None
+    # Estimated FLOPs: projections, MLP, attention scores and mixing, LM head.
+    flops: float
 
 
 @dataclass(frozen=True)
 class DecodeItem:
-    block_table: list[int]
+    block_table: Sequence[int]
     token_id: int
     position: int
 
@@ -49,51 +64,75 @@ class ModelRunner:
         # Multiply-adds of one token through one layer's projections and MLP, for FLOP accounting.
         first = model.layers[0]
         self._layer_macs = sum(p.numel() for name, p in first.named_parameters() if p.dim() == 2)
-        # Estimated FLOPs of the last forward pass (projections, MLP, attention scores and mixing, LM head).
-        self.last_flops = 0.0
         self.freqs = {
             kind: rope.inv_freq(spec, self.cfg.head_dim).to(self.device)
             for kind, spec in self.cfg.rope.items()
         }
 
-    @torch.inference_mode()
-    def prefill(
-        self,
-        block_table: list[int],
-        token_ids: list[int],
-        query_positions: list[int],
-        narrowing: Narrowing | None = None,
-        need_logits: bool = True,
-    ) -> torch.Tensor | None:
-        """Compute the tokens at `query_positions` (sorted) of a sequence whose keys are
-        token_ids[:n] with n = query_positions[-1] + 1; every other position < n must already
-        hold valid KV in the pool. Returns the float32 logits [vocab] of the last position."""
-        n = query_positions[-1] + 1
-        positions = torch.tensor(query_positions, dtype=torch.int64, device=self.device)
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)[positions]
-        ctx = self._context([block_table], positions[None], [n])
-        logits = self._forward(ids[None], ctx, narrowing, need_logits)
-        return None if logits is None else logits[0]
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
 
     @torch.inference_mode()
-    def decode(self, items: list[DecodeItem]) -> torch.Tensor:
-        """One token per sequence, written at its position. Returns float32 logits [B, vocab]."""
+    def forward(self, chunk: ForwardChunk) -> ForwardResult:
+        assert chunk.positions and len(chunk.positions) == len(chunk.token_ids)
+        layers = chunk.layers
+        assert 0 <= layers.start < layers.stop <= self.num_layers and layers.step == 1
+        assert (chunk.hidden is None) == (layers.start == 0), "hidden states come in exactly past layer 0"
+        assert not chunk.need_logits or layers.stop == self.num_layers
+        positions = torch.tensor(chunk.positions, dtype=torch.int64, device=self.device)
+        ctx = self._context([chunk.block_table], positions[None], [chunk.positions[-1] + 1], chunk.observer)
+        if chunk.hidden is None:
+            ids = torch.tensor(chunk.token_ids, dtype=torch.int64, device=self.device)
+            h = self.model.embed(ids[None])  # [1, T, hidden]
+        else:
+            h = chunk.hidden[None]
+        flops = 0.0
+        for i in layers:
+            flops += self._flops(ctx.positions, i)
+            h = self.model.layers[i](h, ctx)
+        if layers.stop < self.num_layers:
+            return ForwardResult(None, h[0], flops)
+        if not chunk.need_logits:
+            return ForwardResult(None, None, flops)
+        return ForwardResult(self.model.logits(h[:, -1])[0], None, flops + self._head_flops(1))
+
+    def prefill(
+        self, block_table: Sequence[int], token_ids: Sequence[int], positions: Sequence[int]
+    ) -> ForwardResult:
+        """The queries at `positions` (sorted) of the sequence `token_ids` through every layer, with the
+        logits of the last one: `forward` of a single chunk."""
+        ids = [token_ids[p] for p in positions]
+        return self.forward(
+            ForwardChunk(block_table, positions, ids, range(self.num_layers), need_logits=True)
+        )
+
+    @torch.inference_mode()
+    def decode(self, items: Sequence[DecodeItem]) -> ForwardResult:
+        """One token per sequence, written at its position. Logits: float32 [B, vocab]."""
         positions = torch.tensor([[it.position] for it in items], dtype=torch.int64, device=self.device)
         ids = torch.tensor([[it.token_id] for it in items], dtype=torch.int64, device=self.device)
         ctx = self._context([it.block_table for it in items], positions, [it.position + 1 for it in items])
-        logits = self._forward(ids, ctx, None, True)
-        assert logits is not None
-        return logits
+        h = self.model.embed(ids)  # [B, 1, hidden]
+        flops = 0.0
+        for i, layer in enumerate(self.model.layers):
+            flops += self._flops(ctx.positions, i)
+            h = layer(h, ctx)
+        return ForwardResult(self.model.logits(h[:, -1]), None, flops + self._head_flops(len(items)))
 
     def _context(
-        self, tables: list[list[int]], positions: torch.Tensor, lengths: list[int]
+        self,
+        tables: list[Sequence[int]],
+        positions: torch.Tensor,
+        lengths: list[int],
+        observer: LayerObserver | None = None,
     ) -> ForwardContext:
         bs = self.pool.block_size
         num_blocks = max(-(-n // bs) for n in lengths)
         # Keys are read block by block (each block's slots are contiguous, and in position order).
         key_blocks = torch.tensor(
             [
-                t[: -(-n // bs)] + [0] * (num_blocks - -(-n // bs))
+                list(t[: -(-n // bs)]) + [0] * (num_blocks - -(-n // bs))
                 for t, n in zip(tables, lengths, strict=True)
             ],
             dtype=torch.int64,
@@ -105,38 +144,18 @@ class ModelRunner:
         key_pos = torch.arange(num_blocks * bs, device=self.device).expand(len(tables), -1)
         lengths_t = torch.tensor(lengths, device=self.device)[:, None]
         key_pos = torch.where(key_pos < lengths_t, key_pos, torch.full_like(key_pos, NO_KEY))
-        write_slots = torch.stack([self.pool.slots(t, p) for t, p in zip(tables, positions, strict=True)])
-        return ForwardContext(self.cfg, self.pool, self.freqs, positions, write_slots, key_slots, key_pos)
-
-    def _forward(
-        self, ids: torch.Tensor, ctx: ForwardContext, narrowing: Narrowing | None, need_logits: bool
-    ) -> torch.Tensor | None:
-        h = self.model.embed(ids)  # [B, T, hidden]
-        last_probe = -1
-        if narrowing is not None:
-            for probed in narrowing.probe_layers:
-                ctx.probe[probed] = narrowing.candidates
-            last_probe = max(narrowing.probe_layers)
-        self.last_flops = 0.0
-        for i, layer in enumerate(self.model.layers):
-            self.last_flops += self._flops(ctx.positions, i)
-            h = layer(h, ctx)
-            if i == last_probe:
-                assert narrowing is not None
-                kept = narrowing.candidates[narrowing.choose(ctx.deviation)]
-                keep = torch.ones(h.shape[1], dtype=torch.bool, device=h.device)
-                keep[narrowing.candidates] = False
-                keep[kept] = True
-                index = keep.nonzero().squeeze(1)
-                h = h[:, index]
-                ctx.keep(index)
-        if not need_logits:
-            return None
-        self.last_flops += 2.0 * h.shape[0] * self.cfg.hidden_size * self.cfg.vocab_size
-        return self.model.logits(h[:, -1])  # [B, vocab]
+        write_slots = torch.stack(
+            [self.pool.slots(list(t), p) for t, p in zip(tables, positions, strict=True)]
+        )
+        return ForwardContext(
+            self.cfg, self.pool, self.freqs, positions, write_slots, key_slots, key_pos, observer
+        )
 
     def _flops(self, positions: torch.Tensor, layer: int) -> float:
         window = self.cfg.window(layer)
         visible = positions + 1 if window is None else (positions + 1).clamp(max=window)
         attention = 4.0 * self.cfg.num_heads * self.cfg.head_dim * float(visible.sum())
         return 2.0 * positions.numel() * self._layer_macs + attention
+
+    def _head_flops(self, rows: int) -> float:
+        return 2.0 * rows * self.cfg.hidden_size * self.cfg.vocab_size

@@ -1,5 +1,12 @@
 """The repair-policy interface. A policy picks which reused (spliced) tokens to recompute; it returns
-positions and never touches the KV itself: the runner does the work."""
+positions and never writes KV: the runner does the work.
+
+A policy decides either at once, from the plan alone (`RepairDecision.recompute`), or after a probe:
+the runner first computes the probe's positions (with every computed token) through layers
+0..`last_layer` while the policy's `LayerObserver` watches their new K/V; then `choose` picks, from
+what it saw, at most `budget` of the probed positions, which alone continue through the remaining
+layers (CacheBlend's selection by KV deviation is such a policy).
+"""
 
 from __future__ import annotations
 
@@ -7,19 +14,35 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
+from kvsplice.kv.context import LayerObserver
+from kvsplice.reuse.plan import Plan
 
-from kvsplice.planner import Plan
+
+@dataclass(frozen=True)
+class RepairTask:
+    plan: Plan
+    # At most this many spliced tokens may be recomputed (after a probe, at most this many continue).
+    budget: int
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class Probe:
+    # Spliced positions computed on layers 0..last_layer, alongside every computed token.
+    positions: tuple[int, ...]
+    last_layer: int
+    observer: LayerObserver
 
 
 @dataclass(frozen=True)
 class RepairDecision:
-    """Spliced positions to recompute on every layer, or, when `probe_layers` is set, the candidates
-    computed on those layers only; after them the policy's `choose` keeps some of the candidates
-    (ranked by how far their new K/V deviate from the reused K/V) for the remaining layers."""
+    """Spliced positions to recompute on every layer, or a probe whose outcome `choose` decides."""
 
-    recompute: tuple[int, ...]
-    probe_layers: tuple[int, ...] = ()
+    recompute: tuple[int, ...] = ()
+    probe: Probe | None = None
+
+    def __post_init__(self) -> None:
+        assert not (self.recompute and self.probe), "a decision recomputes or probes, not both"
 
 
 class RepairPolicy(ABC):
@@ -28,17 +51,9 @@ class RepairPolicy(ABC):
     exact: ClassVar[bool] = False
 
     @abstractmethod
-    def decide(self, plan: Plan, budget: int, num_layers: int) -> RepairDecision:
-        """Which of plan's spliced positions to recompute, at most `budget` of them (after probing)."""
+    def decide(self, task: RepairTask) -> RepairDecision:
+        """Which of the plan's spliced positions to recompute (at most task.budget), or what to probe."""
 
-    def choose(self, deviation: dict[int, torch.Tensor], budget: int) -> torch.Tensor:
-        """For probing policies: deviation[layer]: [C], one per candidate -> indices of at most
-        `budget` candidates."""
+    def choose(self, task: RepairTask, probe: Probe) -> tuple[int, ...]:
+        """After the probe pass: at most task.budget of probe.positions, sorted, to finish computing."""
         raise NotImplementedError(f"{self.name} does not probe")
-
-
-def top_deviation(deviation: dict[int, torch.Tensor], budget: int) -> torch.Tensor:
-    """The `budget` candidates whose K/V moved the most, summed over the probed layers, in position order."""
-    score = torch.stack(list(deviation.values())).sum(0)
-    k = min(budget, score.shape[0])
-    return torch.topk(score, k).indices.sort().values

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvsplice.planner import Plan, SpanKind
-from kvsplice.repair.base import RepairDecision, RepairPolicy, top_deviation
+from kvsplice.kv.context import ForwardContext
+from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask
+from kvsplice.reuse.plan import SpanKind
 
 
 class NoRepair(RepairPolicy):
@@ -13,8 +14,8 @@ class NoRepair(RepairPolicy):
 
     name = "none"
 
-    def decide(self, plan: Plan, budget: int, num_layers: int) -> RepairDecision:
-        return RepairDecision(())
+    def decide(self, task: RepairTask) -> RepairDecision:
+        return RepairDecision()
 
 
 class FullRepair(RepairPolicy):
@@ -23,8 +24,8 @@ class FullRepair(RepairPolicy):
     name = "full"
     exact = True
 
-    def decide(self, plan: Plan, budget: int, num_layers: int) -> RepairDecision:
-        return RepairDecision(tuple(plan.positions(SpanKind.SPLICED)))
+    def decide(self, task: RepairTask) -> RepairDecision:
+        return RepairDecision(tuple(task.plan.positions(SpanKind.SPLICED)))
 
 
 class BoundaryRepair(RepairPolicy):
@@ -33,16 +34,39 @@ class BoundaryRepair(RepairPolicy):
 
     name = "boundary"
 
-    def decide(self, plan: Plan, budget: int, num_layers: int) -> RepairDecision:
-        spans = plan.spliced()
-        if not spans or budget <= 0:
-            return RepairDecision(())
-        share, extra = divmod(budget, len(spans))
+    def decide(self, task: RepairTask) -> RepairDecision:
+        spans = task.plan.spliced()
+        if not spans or task.budget <= 0:
+            return RepairDecision()
+        share, extra = divmod(task.budget, len(spans))
         chosen: list[int] = []
         for i, span in enumerate(spans):
             take = min(len(span), share + (i < extra))
             chosen += range(span.start, span.start + take)
         return RepairDecision(tuple(chosen))
+
+
+class DeviationObserver:
+    """Sums, per probed position, the squared distance between the K/V a layer computes for it now and
+    the (moved) K/V the pool held in its slot before: CacheBlend's signal of stale KV."""
+
+    def __init__(self, positions: tuple[int, ...], layers: frozenset[int], length: int) -> None:
+        self.layers = layers
+        self.score = torch.zeros(length)  # [prompt tokens]; only probed positions are ever written
+        self._probed = torch.zeros(length, dtype=torch.bool)
+        self._probed[list(positions)] = True
+
+    def observe(self, layer: int, ctx: ForwardContext, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [1, T, Hkv, D], the new K/V of the pass's queries on `layer`, not yet written."""
+        positions = ctx.positions[0].cpu()
+        rows = self._probed[positions].nonzero().squeeze(1)  # [C] queries that are probed
+        if rows.numel() == 0:
+            return
+        device_rows = rows.to(ctx.write_slots.device)
+        old_k, old_v = ctx.pool.read(layer, ctx.write_slots[0, device_rows])  # [C, Hkv, D]
+        k_dev = (k[0, device_rows] - old_k.to(k.dtype)).square().sum(dim=(-2, -1))
+        v_dev = (v[0, device_rows] - old_v.to(v.dtype)).square().sum(dim=(-2, -1))
+        self.score[positions[rows]] += (k_dev + v_dev).float().cpu()
 
 
 class DeviationRepair(RepairPolicy):
@@ -57,16 +81,22 @@ class DeviationRepair(RepairPolicy):
         # layer where context shows is layer 1. Candidates are computed through the probe layer.
         self.probe_layer = probe_layer
 
-    def decide(self, plan: Plan, budget: int, num_layers: int) -> RepairDecision:
-        spliced = tuple(plan.positions(SpanKind.SPLICED))
-        if not spliced or budget <= 0:
-            return RepairDecision(())
-        if budget >= len(spliced):
+    def decide(self, task: RepairTask) -> RepairDecision:
+        spliced = tuple(task.plan.positions(SpanKind.SPLICED))
+        if not spliced or task.budget <= 0:
+            return RepairDecision()
+        if task.budget >= len(spliced):
             return RepairDecision(spliced)
-        return RepairDecision(spliced, (min(self.probe_layer, num_layers - 1),))
+        last = min(self.probe_layer, task.num_layers - 1)
+        observer = DeviationObserver(spliced, frozenset({last}), task.plan.num_tokens)
+        return RepairDecision(probe=Probe(spliced, last, observer))
 
-    def choose(self, deviation: dict[int, torch.Tensor], budget: int) -> torch.Tensor:
-        return top_deviation(deviation, budget)
+    def choose(self, task: RepairTask, probe: Probe) -> tuple[int, ...]:
+        assert isinstance(probe.observer, DeviationObserver)
+        candidates = torch.tensor(probe.positions)
+        score = probe.observer.score[candidates]
+        top = torch.topk(score, min(task.budget, len(candidates))).indices
+        return tuple(sorted(candidates[top].tolist()))
 
 
 class RecencyRepair(RepairPolicy):
@@ -82,6 +112,7 @@ class RecencyRepair(RepairPolicy):
 
     name = "recency"
 
-    def decide(self, plan: Plan, budget: int, num_layers: int) -> RepairDecision:
-        spliced = plan.positions(SpanKind.SPLICED)
+    def decide(self, task: RepairTask) -> RepairDecision:
+        spliced = task.plan.positions(SpanKind.SPLICED)
+        budget = task.budget
         return RepairDecision(tuple(spliced[len(spliced) - budget :]) if budget > 0 else ())

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from kvsplice.engine.engine import Engine
+from kvsplice.errors import QueueFullError
 from kvsplice.outputs import RequestOutput
 from kvsplice.prompt import Prompt
 from kvsplice.sampling import SamplingParams
@@ -27,7 +28,6 @@ from kvsplice.server.engine_loop import (
     AsyncEngine,
     EngineFailure,
     EngineUnavailableError,
-    QueueFullError,
     RequestGroup,
 )
 from kvsplice.server.errors import APIError, from_validation_error, install_handlers
@@ -37,9 +37,6 @@ from kvsplice.server.protocol import ChatCompletionRequest, CompletionRequest, f
 
 logger = logging.getLogger(__name__)
 _Body = TypeVar("_Body", bound=BaseModel)
-
-# Below this a temperature is greedy (as in vLLM): dividing logits by it would overflow to inf.
-_MIN_TEMPERATURE = 1e-5
 
 
 def served_model_name(engine: Engine, config: ServerConfig) -> str:
@@ -132,8 +129,6 @@ class OpenAIServer:
     def _sampling(
         self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
     ) -> SamplingParams:
-        if body.temperature is not None and 0 < body.temperature < _MIN_TEMPERATURE:
-            body.temperature = 0.0
         return body.sampling_params(max_tokens)
 
     async def _serve(
@@ -146,7 +141,7 @@ class OpenAIServer:
     ) -> Response:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            group = await self.engine.submit(request_id, prompts, params, body.engine_options())
+            group = await self.engine.submit(request_id, prompts, params, body.request_options())
         except QueueFullError as exc:
             retry = {"Retry-After": str(self.config.retry_after_s)}
             raise APIError(

@@ -21,14 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsplice.engine.engine import Engine, StepOutput
+from kvsplice.options import RequestOptions
 from kvsplice.prompt import Prompt
 from kvsplice.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """More requests are waiting than the engine's `max_waiting` allows: try again later."""
 
 
 class EngineUnavailableError(Exception):
@@ -37,16 +34,6 @@ class EngineUnavailableError(Exception):
 
 class EngineFailure(Exception):
     """The engine raised while running this request (a bug): the request is lost, the server lives on."""
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Per-request engine options beyond sampling (Engine.add_request's keywords)."""
-
-    cache_salt: str | None = None
-    repair: str | None = None
-    recompute_ratio: float | None = None
-    recompute_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +54,7 @@ class EngineStats:
     segment_inserted_tokens: int = 0
     segment_evictions: int = 0
     segment_entries: int = 0
+    segment_fills_dropped: int = 0
 
 
 @dataclass
@@ -74,7 +62,7 @@ class _Add:
     request_id: str
     prompt: Prompt
     params: SamplingParams
-    options: EngineOptions
+    options: RequestOptions
     group: RequestGroup
     index: int
     done: concurrent.futures.Future[None]
@@ -164,7 +152,7 @@ class AsyncEngine:
     # -- called from handlers ---------------------------------------------------------------------
 
     async def submit(
-        self, base_id: str, prompts: list[Prompt], params: SamplingParams, options: EngineOptions
+        self, base_id: str, prompts: list[Prompt], params: SamplingParams, options: RequestOptions
     ) -> RequestGroup:
         """Add one engine request per prompt; raises what Engine.add_request raises (bad input),
         QueueFullError or EngineUnavailableError, with none of the group's requests left behind."""
@@ -232,22 +220,8 @@ class AsyncEngine:
         try:
             if self.broken is not None:
                 raise EngineUnavailableError(self.broken)
-            scheduler = self.engine.scheduler
-            free_slots = max(0, scheduler.max_num_seqs - len(scheduler.running))
-            if len(scheduler.waiting) >= self.engine.config.max_waiting + free_slots:
-                raise QueueFullError(
-                    f"{len(scheduler.waiting)} requests are already waiting "
-                    f"(max_waiting={self.engine.config.max_waiting})"
-                )
-            o = command.options
             self.engine.add_request(
-                command.prompt,
-                command.params,
-                request_id=command.request_id,
-                cache_salt=o.cache_salt,
-                repair=o.repair,
-                recompute_ratio=o.recompute_ratio,
-                recompute_tokens=o.recompute_tokens,
+                command.prompt, command.params, command.options, request_id=command.request_id
             )
         except Exception as exc:  # bad input (InvalidRequestError), a full queue, or an engine bug
             command.done.set_exception(exc)
@@ -313,4 +287,5 @@ class AsyncEngine:
             segment_inserted_tokens=segments.inserted_tokens,
             segment_evictions=segments.evictions,
             segment_entries=len(engine.segment_store),
+            segment_fills_dropped=engine.fills_dropped,
         )

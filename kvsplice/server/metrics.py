@@ -70,9 +70,6 @@ class ServerMetrics:
         self.computed_tokens = counter(
             "kvsplice:computed_prompt_tokens", "Prompt tokens computed from scratch"
         ).labels(m)
-        self.segment_store_tokens = counter(
-            "kvsplice:segment_store_fill_tokens", "Tokens computed on their own to fill the segment store"
-        ).labels(m)
         self.errors = Counter(
             "kvsplice:request_errors",
             "Requests answered with an error, by HTTP status",
@@ -99,7 +96,6 @@ class ServerMetrics:
         self.segment_hit_tokens.inc(m.segment_hit_tokens)
         self.recomputed_tokens.inc(m.recomputed_tokens)
         self.computed_tokens.inc(m.computed_tokens)
-        self.segment_store_tokens.inc(m.segment_store_tokens)
 
     def abort(self, request_id: str) -> None:
         """A request cancelled before it finished (its client went away)."""
@@ -154,4 +150,9 @@ class _EngineCollector(Collector):
         yield counter("kvsplice:segment_store_hits", "Segment lookups that hit", s.segment_hits)
         yield counter("kvsplice:segment_store_inserted_tokens", "Tokens stored", s.segment_inserted_tokens)
         yield counter("kvsplice:segment_store_evictions", "Segments evicted", s.segment_evictions)
+        yield counter(
+            "kvsplice:segment_store_fills_dropped",
+            "Missed segments not stored: no memory to spare when their turn came",
+            s.segment_fills_dropped,
+        )
         yield gauge("kvsplice:segment_store_entries", "Segments stored", s.segment_entries)

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvsplice.errors import InvalidRequestError
 from kvsplice.loader.tokenizer import Tokenizer
-from kvsplice.prompt import Part, Prompt, Segment
+from kvsplice.prompt import Part, Prompt, Segment, bos_ids, is_token
 from kvsplice.server.errors import BadRequest
 
 _PART_KEYS = ("text", "token_ids", "segment")
@@ -40,7 +40,7 @@ def completion_prompts(prompt: Any) -> list[Prompt]:
             "prompt must be a string, a list of token ids, a list of parts, or a non-empty list of those",
             param="prompt",
         )
-    if all(_is_token(t) for t in prompt):
+    if all(is_token(t) for t in prompt):
         return [list(prompt)]
     if any(isinstance(p, dict) for p in prompt):
         return [_parts(prompt, "prompt")]
@@ -49,7 +49,7 @@ def completion_prompts(prompt: Any) -> list[Prompt]:
         where = f"prompt[{i}]"
         if isinstance(item, str):
             prompts.append(item)
-        elif isinstance(item, list) and item and all(_is_token(t) for t in item):
+        elif isinstance(item, list) and item and all(is_token(t) for t in item):
             prompts.append(list(item))
         elif isinstance(item, list) and item and any(isinstance(p, dict) for p in item):
             prompts.append(_parts(item, where))
@@ -77,11 +77,11 @@ def _parts(items: list[Any], where: str) -> list[Part]:
         ((key, value),) = item.items()
         if key == "text" and isinstance(value, str):
             parts.append(value)
-        elif key == "token_ids" and isinstance(value, list) and all(_is_token(t) for t in value):
+        elif key == "token_ids" and isinstance(value, list) and all(is_token(t) for t in value):
             parts.append(list(value))
         elif key == "segment" and (
             (isinstance(value, str) and value)
-            or (isinstance(value, list) and value and all(_is_token(t) for t in value))
+            or (isinstance(value, list) and value and all(is_token(t) for t in value))
         ):
             parts.append(Segment(value))
         else:
@@ -124,8 +124,8 @@ def chat_prompt(
     except Exception as exc:  # a model's template may fail in any way on inputs it does not expect
         raise InvalidRequestError(f"the chat template failed on these messages: {exc!r}") from exc
 
-    if tokenizer.add_bos and tokenizer.bos_token_id is not None:
-        bos_text = tokenizer.backend.id_to_token(tokenizer.bos_token_id)
+    for bos in bos_ids(tokenizer):
+        bos_text = tokenizer.backend.id_to_token(bos)
         if bos_text and text.startswith(bos_text):
             text = text[len(bos_text) :]  # the engine adds BOS itself
     pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", text)
@@ -209,10 +209,6 @@ def _documents(documents: Any) -> list[str]:
             )
         docs.append(doc)
     return docs
-
-
-def _is_token(t: object) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def _short(value: object) -> str:

@@ -10,9 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestMetrics
 from kvsplice.sampling import SamplingParams
-from kvsplice.server.engine_loop import EngineOptions
 from kvsplice.server.errors import BadRequest
 
 # torch.Generator.manual_seed accepts this range.
@@ -81,8 +81,9 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
         )
 
-    def engine_options(self) -> EngineOptions:
-        return EngineOptions(self.cache_salt, self.repair, self.recompute_ratio, self.recompute_tokens)
+    def request_options(self) -> RequestOptions:
+        """Raises InvalidRequestError for a bad value (a 400 for the client)."""
+        return RequestOptions(self.repair, self.recompute_ratio, self.recompute_tokens, self.cache_salt)
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,80 @@
+"""Admission and memory: a request's cached prefix and its blocks, from admission to release.
+
+Blocks for the prompt and every token the request may generate are reserved at admission, so a
+running request never runs out of KV memory mid-prefill or mid-decode (there is no preemption): a
+request that does not fit waits, at the head of the queue, until finished requests free memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsplice.cache.base import PrefixCache
+from kvsplice.cache.segment_keys import SegmentKeys
+from kvsplice.engine.request import Admission, Request
+from kvsplice.errors import OutOfBlocksError
+from kvsplice.kv.pool import KVPool
+from kvsplice.repair.registry import POLICIES
+
+
+class BlockManager:
+    def __init__(self, pool: KVPool, prefix_cache: PrefixCache, max_model_len: int, vocab_size: int) -> None:
+        self.pool = pool
+        self.allocator = pool.allocator
+        self.prefix_cache = prefix_cache
+        self.max_model_len = max_model_len
+        self.segment_keys = SegmentKeys(vocab_size)
+
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        total = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        return -(-total // self.pool.block_size)
+
+    def fits_empty_pool(self, num_prompt_tokens: int, max_tokens: int) -> bool:
+        # One block to spare: admission copies a partial prefix hit into a fresh block while it still
+        # holds the shared one, so a request that needs every block never fits.
+        return self.blocks_needed(num_prompt_tokens, max_tokens) + 1 <= self.pool.num_blocks
+
+    def admit(self, request: Request) -> Admission | None:
+        """Take the request's cached prefix and reserve its blocks; None, holding nothing, if memory is
+        short."""
+        seq = request.seq
+        approximate = not POLICIES[request.repair.policy].exact
+        keys = self.segment_keys.choose(
+            request.prompt,
+            request.repair,
+            approximate,
+            lambda ids: self.prefix_cache.peek(seq.namespace, ids),
+        )
+        seq.keys = keys.ids
+        hit = self.prefix_cache.acquire(seq)
+        table = list(hit.blocks)
+        partial = hit.num_tokens % self.pool.block_size
+        needed = self.blocks_needed(request.num_prompt_tokens, request.params.max_tokens)
+        try:
+            fresh = self.allocator.allocate(needed - len(table) + (1 if partial else 0))
+        except OutOfBlocksError:
+            seq.block_table = table
+            self.prefix_cache.release(seq)
+            seq.block_table = []
+            return None
+        if partial:
+            # The last hit block is shared and only partly ours: copy its valid slots before writing.
+            shared, own = table[-1], fresh.pop()
+            offsets = torch.arange(partial, device=self.pool.device)
+            bs = self.pool.block_size
+            self.pool.copy_slots(shared * bs + offsets, own * bs + offsets)
+            self.allocator.decref([shared])
+            table[-1] = own
+        seq.block_table = table + fresh
+        return Admission(hit.num_tokens, keys.segment_keyed)
+
+    def computed(self, request: Request) -> None:
+        """The request's written KV grew (its prefill finished, or a decode step ran)."""
+        request.seq.num_computed = request.indexable_len
+        self.prefix_cache.on_computed(request.seq)
+
+    def free(self, request: Request) -> None:
+        """The request is done: its blocks go back to the prefix cache, which keeps what it caches."""
+        if request.seq.block_table:
+            self.prefix_cache.release(request.seq)
+            request.seq.block_table = []

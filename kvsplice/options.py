@@ -1,0 +1,58 @@
+"""Per-request engine options beyond sampling: the repair policy, its budget and the cache salt.
+
+One validated type for the Python API, the server and the bench; a field left None takes the engine's
+default from EngineConfig (`resolve`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from kvsplice.errors import InvalidRequestError
+from kvsplice.repair.registry import POLICY_NAMES
+
+
+@dataclass(frozen=True)
+class RepairSettings:
+    """The resolved repair of one request: policy name and budget (tokens, else a ratio of the reused
+    segment tokens). Hashable: segment keys tell requests with different settings apart by it."""
+
+    policy: str
+    ratio: float
+    tokens: int | None
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    repair: str | None = None
+    recompute_ratio: float | None = None
+    recompute_tokens: int | None = None
+    # Tenant isolation: requests with different salts never share KV (prefix cache or segment store).
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.repair is not None and self.repair not in POLICY_NAMES:
+            raise InvalidRequestError(f"unknown repair policy {self.repair!r}; choose one of {POLICY_NAMES}")
+        ratio = self.recompute_ratio
+        if ratio is not None and (
+            isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 1
+        ):
+            raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
+        tokens = self.recompute_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+            raise InvalidRequestError(f"recompute_tokens must be an integer >= 0, got {tokens!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string")
+
+    def resolve(self, repair: str, recompute_ratio: float, recompute_tokens: int | None) -> RepairSettings:
+        """The settings with the engine's defaults (EngineConfig's fields of the same names) filled in."""
+        return RepairSettings(
+            self.repair if self.repair is not None else repair,
+            float(self.recompute_ratio if self.recompute_ratio is not None else recompute_ratio),
+            self.recompute_tokens if self.recompute_tokens is not None else recompute_tokens,
+        )
+
+    def namespace(self, model: str) -> Hashable:
+        """What KV may be shared within: the same model and the same salt."""
+        return (model, self.cache_salt)

@@ -1,0 +1,22 @@
+"""Repair policies by name."""
+
+from __future__ import annotations
+
+from kvsplice.repair.base import RepairPolicy
+from kvsplice.repair.policies import BoundaryRepair, DeviationRepair, FullRepair, NoRepair, RecencyRepair
+
+POLICIES: dict[str, type[RepairPolicy]] = {
+    cls.name: cls for cls in (NoRepair, BoundaryRepair, DeviationRepair, RecencyRepair, FullRepair)
+}
+POLICY_NAMES = tuple(POLICIES)
+
+
+def make_policy(name: str) -> RepairPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown repair policy {name!r}; choose one of {POLICY_NAMES}")
+    return POLICIES[name]()
+
+
+def budget_tokens(spliced: int, ratio: float, tokens: int | None) -> int:
+    """The repair budget for `spliced` reused tokens: an absolute count, or a rounded ratio."""
+    return min(spliced, tokens if tokens is not None else round(ratio * spliced))

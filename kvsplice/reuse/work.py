@@ -1,0 +1,120 @@
+"""A prefill as data the scheduler can cut into chunks: passes of query positions through layer ranges.
+
+A plain prefill is one pass: the prompt's uncached tokens through every layer. A repair that probes
+first (CacheBlend) is two: every candidate through the first layers, then the chosen ones through the
+rest, resuming from the hidden states the first pass left. Each pass runs chunk by chunk, in
+position order, and chunking does not change the result: a query attends only to keys at or before
+its position, so when a pass's chunks run in position order every query reads exactly the keys it
+would read if the whole pass ran at once (the earlier chunks have written theirs on every layer of
+the pass). Only the floating-point grouping of the matmuls differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvsplice.kv.context import LayerObserver
+from kvsplice.models.runner import ForwardChunk, ForwardResult
+
+
+@dataclass(frozen=True)
+class Pass:
+    positions: tuple[int, ...]  # sorted, non-empty
+    layers: range
+    observer: LayerObserver | None = None
+
+
+class PrefillWork:
+    def __init__(
+        self,
+        block_table: Sequence[int],
+        token_ids: Sequence[int],
+        first: Pass,
+        num_layers: int,
+        *,
+        need_logits: bool,
+        next_pass: Callable[[], Pass | None] = lambda: None,
+    ) -> None:
+        """`next_pass` is asked for the following pass each time one finishes; None ends the prefill.
+        With need_logits, the last pass must run through the last layer and end at the last token."""
+        self.block_table = block_table
+        self.token_ids = token_ids
+        self.num_layers = num_layers
+        self.need_logits = need_logits
+        self._next_pass = next_pass
+        self.flops = 0.0
+        self._pass: Pass | None = None
+        self._done = 0  # queries of the current pass already run
+        # Hidden states the previous pass left ([its queries, hidden]) and the row of each position.
+        self._carry: torch.Tensor | None = None
+        self._carry_rows: dict[int, int] = {}
+        self._outputs: list[torch.Tensor] = []
+        self._start(first)
+
+    @property
+    def done(self) -> bool:
+        return self._pass is None
+
+    @property
+    def remaining(self) -> int:
+        """Query tokens left in the current pass (later passes are not known yet)."""
+        return 0 if self._pass is None else len(self._pass.positions) - self._done
+
+    def next_chunk(self, max_tokens: int) -> ForwardChunk:
+        """The next `max_tokens` (at most) queries of the current pass."""
+        current = self._pass
+        assert current is not None and max_tokens > 0
+        end = min(self._done + max_tokens, len(current.positions))
+        positions = current.positions[self._done : end]
+        hidden = None
+        if current.layers.start > 0:
+            assert self._carry is not None
+            rows = torch.tensor([self._carry_rows[p] for p in positions], device=self._carry.device)
+            hidden = self._carry[rows]  # [T, hidden]
+        last = end == len(current.positions)
+        return ForwardChunk(
+            self.block_table,
+            positions,
+            [self.token_ids[p] for p in positions],
+            current.layers,
+            hidden,
+            need_logits=self.need_logits and last and current.layers.stop == self.num_layers,
+            observer=current.observer,
+        )
+
+    def complete(self, chunk: ForwardChunk, result: ForwardResult) -> torch.Tensor | None:
+        """Record a chunk the runner ran (the one next_chunk gave). Returns the logits [vocab] of the
+        last token once the whole prefill is done and logits were asked for, else None."""
+        current = self._pass
+        assert current is not None
+        assert tuple(chunk.positions) == current.positions[self._done : self._done + len(chunk.positions)]
+        self._done += len(chunk.positions)
+        self.flops += result.flops
+        if result.hidden is not None:
+            self._outputs.append(result.hidden)
+        if self._done < len(current.positions):
+            return None
+        if current.layers.stop < self.num_layers:
+            self._carry = torch.cat(self._outputs)  # [queries of the pass, hidden]
+            self._carry_rows = {p: i for i, p in enumerate(current.positions)}
+        self._outputs = []
+        following = self._next_pass()
+        if following is not None:
+            self._start(following)
+            return None
+        self._pass = None
+        if self.need_logits:
+            assert current.layers.stop == self.num_layers and current.positions[-1] == len(self.token_ids) - 1
+            assert result.logits is not None
+            return result.logits
+        return None
+
+    def _start(self, p: Pass) -> None:
+        assert p.positions and list(p.positions) == sorted(set(p.positions))
+        if p.layers.start > 0:
+            missing = set(p.positions) - self._carry_rows.keys()
+            assert not missing, f"a pass resuming at layer {p.layers.start} needs hidden states it lacks"
+        self._pass, self._done = p, 0
