@@ -23,7 +23,9 @@ def _generate(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         seed=args.seed_sampling,
     )
-    engine = Engine(EngineConfig.from_args(args))
+    config = EngineConfig.from_args(args)
+    print(f"[kvsplice: {config.describe_threads()}]", file=sys.stderr, flush=True)
+    engine = Engine(config)
     request_id = engine.add_request(args.prompt, params)
     print(args.prompt, end="", flush=True)
     while engine.has_unfinished():

@@ -108,6 +108,15 @@ class EngineConfig:
             return self.num_threads
         return max(1, len(os.sched_getaffinity(0)) // 2)
 
+    def describe_threads(self) -> str:
+        """What `kvsplice generate` and `serve` print about the thread count they chose."""
+        how = (
+            "as asked"
+            if self.num_threads is not None
+            else "half the CPUs, the default; --num-threads to change"
+        )
+        return f"{self.threads} torch thread(s) ({how})"
+
     @property
     def prefill_chunk_cap(self) -> int:
         return self.long_prefill_token_threshold or max(1, self.max_num_batched_tokens // 4)

@@ -32,6 +32,15 @@ class RequestMetrics:
     def reused_tokens(self) -> int:
         return self.prefix_hit_tokens + self.segment_hit_tokens
 
+    def summary(self) -> str:
+        """One line a person can read: where the prompt's KV came from, and the time to first token."""
+        return (
+            f"{self.prompt_tokens} prompt tokens: {self.prefix_hit_tokens} from the prefix cache, "
+            f"{self.segment_hit_tokens} reused from stored segments ({self.recomputed_tokens} of them "
+            f"recomputed to repair), {self.computed_tokens} computed; "
+            f"time to first token {self.ttft_s:.2f} s"
+        )
+
 
 @dataclass
 class RequestOutput:

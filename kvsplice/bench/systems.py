@@ -8,7 +8,7 @@
 
 `splice` alone stands for every policy at every budget, `splice:<policy>` for one policy at every
 budget; `none` runs only at 0% and `full` only at 100% (anything else would duplicate them), and the
-other policies run at the budgets strictly between.
+other policies run at the budgets strictly between. By default every approximate policy runs at 15%.
 
 All splice systems share one engine: the policy and budget are per-request arguments, and each system
 has its own cache salt, so its prefix cache and segment store are its own.
@@ -26,13 +26,15 @@ from kvsplice.repair.registry import POLICY_NAMES
 
 REFERENCE = "off"
 PREFIX_SYSTEMS = ("off", "hash", "radix")
-DEFAULT_BUDGETS = (0.0, 5.0, 10.0, 15.0, 30.0, 100.0)
+# Budgets for systems named without one; the sweep is one flag away (--budgets 0 5 10 15 30 100 with
+# --systems splice).
+DEFAULT_BUDGETS = (15.0,)
+SWEEP_BUDGETS = (0.0, 5.0, 10.0, 15.0, 30.0, 100.0)
 SPLICE_ENGINE = "splice"
-# The default systems of each workload: off, hash, radix and every repair policy; rag, qa and fewshot
-# (documents recur in new orders) sweep the budgets, chat and agent (prompts mostly extend each
-# other) run each policy at 15%.
-DEFAULT_SYSTEMS = ("off", "hash", "radix", "splice")
-DEFAULT_WORKLOAD_BUDGETS = {"chat": (0.0, 15.0, 100.0), "agent": (0.0, 15.0, 100.0)}
+# The default systems of every workload: the prefix caches, naive reuse, and every approximate
+# repair policy at the default budget (full repair equals `off` and costs as much: --systems splice:full).
+DEFAULT_SYSTEMS = ("off", "hash", "radix", *(f"splice:{p}" for p in POLICY_NAMES if p != "full"))
+DEFAULT_WORKLOAD_BUDGETS: dict[str, tuple[float, ...]] = {}
 
 
 @dataclass(frozen=True)
