@@ -1,5 +1,6 @@
 """GGUF conversion: against transformers' own GGUF loading on the default model, and on tiny GGUFs
-written here for the cache, atomicity and error paths."""
+written here for the cache, atomicity and error paths, and for llama's q/k permutation and
+byte-level BPE vocabulary (SmolLM2 itself: test_smollm2.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import torch
 from safetensors import safe_open
 
 import kvsplice.loader.gguf as gguf_loader
+import kvsplice.loader.gguf_weights as gguf_weights
 from kvsplice.errors import ModelLoadError
 from kvsplice.loader.gguf import CONVERTED_FILES, MARKER_FILE, convert_gguf
+from kvsplice.loader.gguf_config import gemma3_config
 from kvsplice.loader.gguf_file import read_gguf
 from kvsplice.loader.gguf_tokenizer import GgufVocab
-from kvsplice.loader.gguf_weights import gemma3_config, hf_tensor_name
+from kvsplice.loader.gguf_weights import hf_tensor_name
 from kvsplice.loader.tokenizer import Tokenizer
 
 # ------------------------------------------------------------------------------------- tiny GGUFs
@@ -75,7 +78,11 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(
-    path: Path, arch: str = "gemma3", seed: int = 0, endianess: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE
+    path: Path,
+    arch: str = "gemma3",
+    seed: int = 0,
+    endianess: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE,
+    add_space_prefix: bool = False,
 ) -> Path:
     """A gemma3 GGUF as llama.cpp writes one: HF-layout arrays under GGUF names, norms stored as 1 + w."""
     writer = gguf.GGUFWriter(str(path), arch, endianess=endianess)
@@ -91,6 +98,7 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(1e6)
     writer.add_sliding_window(16)
     writer.add_tokenizer_model("llama")
+    writer.add_add_space_prefix(add_space_prefix)
     writer.add_token_list(TINY_TOKENS)
     writer.add_token_scores([0.0] * len(TINY_TOKENS))
     writer.add_token_types(TINY_TYPES)
@@ -277,15 +285,25 @@ def test_corrupt_block_count_is_refused_before_building_per_layer_tables(tmp_pat
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
-    path = write_tiny_gguf(tmp_path / "llama.gguf", arch="llama")
-    with pytest.raises(ModelLoadError, match=r"'llama' model; kvsplice converts only the 'gemma3'"):
+    path = write_tiny_gguf(tmp_path / "qwen2.gguf", arch="qwen2")
+    with pytest.raises(ModelLoadError, match=r"'qwen2' model; kvsplice converts the 'gemma3', 'llama' arch"):
         convert_gguf(path, tmp_path / "cache")
     assert not any(entry.is_dir() for entry in (tmp_path / "cache").iterdir())
 
 
+def test_sentencepiece_that_prepends_a_space_is_refused(tmp_path: Path) -> None:
+    """Llama 2 style vocabularies tokenise " " + text; the SentencePiece rebuild here is Gemma's."""
+    path = write_tiny_gguf(tmp_path / "spm.gguf", add_space_prefix=True)
+    with pytest.raises(ModelLoadError, match="prepends a space"):
+        convert_gguf(path, tmp_path / "cache")
+
+
 def test_config_follows_optional_gemma3_metadata() -> None:
     """Keys newer or larger Gemma 3 GGUFs carry: SWA rope base and pattern, linear rope scaling."""
-    vocab = GgufVocab(["<pad>"], [3], None, None, 0, None, True, False, None)
+    vocab = GgufVocab(
+        model="llama", pre=None, tokens=["<pad>"], token_types=[3], merges=[], bos_id=None, eos_id=None,
+        pad_id=0, unk_id=None, add_bos=True, add_eos=False, chat_template=None,
+    )  # fmt: skip
     metadata = {
         "gemma3.block_count": 4, "gemma3.embedding_length": 8, "gemma3.feed_forward_length": 16,
         "gemma3.attention.head_count": 2, "gemma3.attention.head_count_kv": 1,
@@ -304,6 +322,168 @@ def test_config_follows_optional_gemma3_metadata() -> None:
         gemma3_config(metadata | {"gemma3.rope.scaling.type": "yarn"}, vocab, tied=True)
     with pytest.raises(ModelLoadError, match=r"gemma3\.context_length"):
         gemma3_config({k: v for k, v in metadata.items() if k != "gemma3.context_length"}, vocab, tied=True)
+
+
+# ------------------------------------------------------------------------------- tiny llama GGUFs
+
+
+def gpt2_byte_spelling() -> dict[int, str]:
+    """GPT-2's printable spelling of bytes: printable Latin-1 bytes stand for themselves, the others
+    take the characters from U+0100 on, in byte order (so a space is "Ġ", a newline "Ċ")."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    spelling = {byte: chr(byte) for byte in [*printable, *range(ord("®"), ord("ÿ") + 1)]}
+    for extra, byte in enumerate(byte for byte in range(256) if byte not in spelling):
+        spelling[byte] = chr(256 + extra)
+    return spelling
+
+
+LLAMA_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA_MERGES = ["Ġ a", "a b", "Ġa b", "Ġ Ġ"]
+LLAMA_TOKENS = [*LLAMA_SPECIALS, *gpt2_byte_spelling().values(), "Ġa", "ab", "Ġab", "ĠĠ"]
+L_HIDDEN, L_LAYERS, L_HEADS, L_KV_HEADS, L_HEAD_DIM, L_FFN = 32, 2, 2, 1, 16, 64
+
+
+def tiny_llama_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """Hugging Face Llama names -> float32 weights in HF layout."""
+    rng = np.random.default_rng(seed)
+    shapes = {"model.embed_tokens.weight": (len(LLAMA_TOKENS), L_HIDDEN), "model.norm.weight": (L_HIDDEN,)}
+    for i in range(L_LAYERS):
+        layer = f"model.layers.{i}"
+        shapes |= {
+            f"{layer}.self_attn.q_proj.weight": (L_HEADS * L_HEAD_DIM, L_HIDDEN),
+            f"{layer}.self_attn.k_proj.weight": (L_KV_HEADS * L_HEAD_DIM, L_HIDDEN),
+            f"{layer}.self_attn.v_proj.weight": (L_KV_HEADS * L_HEAD_DIM, L_HIDDEN),
+            f"{layer}.self_attn.o_proj.weight": (L_HIDDEN, L_HEADS * L_HEAD_DIM),
+            f"{layer}.input_layernorm.weight": (L_HIDDEN,),
+            f"{layer}.post_attention_layernorm.weight": (L_HIDDEN,),
+            f"{layer}.mlp.gate_proj.weight": (L_FFN, L_HIDDEN),
+            f"{layer}.mlp.up_proj.weight": (L_FFN, L_HIDDEN),
+            f"{layer}.mlp.down_proj.weight": (L_HIDDEN, L_FFN),
+        }
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def llama_cpp_rope_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's HF->GGUF converter does to q_proj / k_proj: within each head, row i of the
+    first half and row i of the second half become rows 2i and 2i + 1."""
+    rows = weight.shape[0]
+    halves = weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])  # [heads, half, i, in]
+    return halves.swapaxes(1, 2).reshape(weight.shape)
+
+
+def llama_gguf_name(hf_name: str) -> str:
+    renames = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
+    renames |= {f"model.layers.{i}.": f"blk.{i}." for i in range(L_LAYERS)}
+    renames |= {
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    for old, new in renames.items():
+        hf_name = hf_name.replace(old, new)
+    return hf_name
+
+
+def write_tiny_llama_gguf(path: Path, pre: str = "smollm", down_type: str = "F32") -> Path:
+    """A llama GGUF with a byte-level BPE vocabulary, as llama.cpp writes SmolLM2: q/k rows permuted.
+    `down_type` stores every ffn_down in another ggml type (bytes of zeros; for the error path)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(L_HIDDEN)
+    writer.add_block_count(L_LAYERS)
+    writer.add_feed_forward_length(L_FFN)
+    writer.add_head_count(L_HEADS)
+    writer.add_head_count_kv(L_KV_HEADS)
+    writer.add_rope_dimension_count(L_HEAD_DIM)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(1e5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(LLAMA_TOKENS)
+    writer.add_token_types([3] * len(LLAMA_SPECIALS) + [1] * (len(LLAMA_TOKENS) - len(LLAMA_SPECIALS)))
+    writer.add_token_merges(LLAMA_MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    for name, weight in tiny_llama_weights().items():
+        if name.endswith("q_proj.weight"):
+            weight = llama_cpp_rope_permute(weight, L_HEADS)
+        elif name.endswith("k_proj.weight"):
+            weight = llama_cpp_rope_permute(weight, L_KV_HEADS)
+        elif name.endswith("down_proj.weight") and down_type != "F32":
+            ggml_type = gguf.GGMLQuantizationType[down_type]
+            block_values, block_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
+            weight = np.zeros((L_HIDDEN, L_FFN // block_values * block_bytes), np.uint8)
+            writer.add_tensor(llama_gguf_name(name), weight, raw_dtype=ggml_type)  # shape from the bytes
+            continue
+        writer.add_tensor(llama_gguf_name(name), weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("chunk_values", [1 << 23, 3 * L_HIDDEN])
+def test_tiny_llama_conversion_undoes_the_rope_permutation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_values: int
+) -> None:
+    """Names, layouts and q/k rows back as transformers has them, also when q/k are written in
+    several chunks (3 rows' worth: chunks are rounded to whole heads)."""
+    monkeypatch.setattr(gguf_weights, "_CHUNK_VALUES", chunk_values)
+    out = convert_gguf(write_tiny_llama_gguf(tmp_path / "llama.gguf"), tmp_path / "cache")
+    expected = tiny_llama_weights()
+    with safe_open(str(out / "model.safetensors"), "pt") as converted:
+        assert set(converted.keys()) == set(expected)
+        for name, weight in expected.items():
+            assert torch.equal(converted.get_tensor(name), torch.from_numpy(weight)), name
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 1, 16)
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e5}
+    assert config["rms_norm_eps"] == 1e-5 and config["tie_word_embeddings"] is True
+
+
+def test_tiny_llama_byte_level_tokenizer(tmp_path: Path) -> None:
+    out = convert_gguf(write_tiny_llama_gguf(tmp_path / "llama.gguf"), tmp_path / "cache")
+    tokenizer = Tokenizer.from_dir(out)
+    ids = {token: index for index, token in enumerate(LLAMA_TOKENS)}
+    assert not tokenizer.add_bos and tokenizer.eos_token_ids == {2}
+    # Merges apply within words; each digit stands alone, so the spaces before one stay one run (as
+    # llama.cpp's "smollm" pre-tokenizer splits: digits first, then GPT-2's regex).
+    text = "<|im_start|>ab ab  1é"
+    expected = ["<|im_start|>", "ab", "Ġab", "ĠĠ", "1", *(gpt2_byte_spelling()[b] for b in "é".encode())]
+    assert tokenizer.encode(text) == [ids[token] for token in expected]
+    assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False) == text
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_start|>hi<|im_end|>"
+
+
+def test_byte_level_pre_tokenizer_not_known_is_refused(tmp_path: Path) -> None:
+    path = write_tiny_llama_gguf(tmp_path / "llama.gguf", pre="llama-bpe")
+    with pytest.raises(ModelLoadError, match=r"pre-tokenizer 'llama-bpe' is not supported; .* 'smollm'"):
+        convert_gguf(path, tmp_path / "cache")
+
+
+def test_a_ggml_type_gguf_py_cannot_dequantise_is_refused_before_writing(tmp_path: Path) -> None:
+    path = write_tiny_llama_gguf(tmp_path / "llama.gguf", down_type="Q8_1")
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_down\.weight is stored as Q8_1, a ggml type"):
+        convert_gguf(path, tmp_path / "cache")
+    assert not any(entry.is_dir() for entry in (tmp_path / "cache").iterdir())
+
+
+def test_a_ggml_type_unknown_to_gguf_py_is_a_parse_error(tmp_path: Path) -> None:
+    data = bytearray(write_tiny_llama_gguf(tmp_path / "llama.gguf").read_bytes())
+    name = b"blk.1.ffn_down.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8  # then u32 n_dims, two u64 dims, the u32 type
+    assert int.from_bytes(data[at : at + 4], "little") == gguf.GGMLQuantizationType.F32
+    data[at : at + 4] = (999).to_bytes(4, "little")
+    path = tmp_path / "unknown-type.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"'blk\.1\.ffn_down\.weight' has ggml type 999, unknown"):
+        convert_gguf(path, tmp_path / "cache")
 
 
 # ---------------------------------------------------------------------- the default model vs transformers
@@ -396,7 +576,7 @@ def test_dequantisation_matches_independent_implementations(default_gguf_path: P
                 expected = torch.from_numpy(_q5_0_oracle(blocks))
             else:
                 expected = dequant.dequantize(torch.from_numpy(blocks), ggml_type)
-            ours = converted.get_slice(hf_tensor_name(name))[:rows]
+            ours = converted.get_slice(hf_tensor_name(name, "gemma3"))[:rows]
             torch.testing.assert_close(ours, expected.reshape(rows, columns), rtol=1e-6, atol=1e-7, msg=name)
 
 

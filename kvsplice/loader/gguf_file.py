@@ -26,6 +26,7 @@ import numpy as np
 # GGUF value types (gguf.GGUFValueType) of fixed size -> struct / numpy type codes.
 _NUMBERS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+_GGML_TYPES = frozenset(int(ggml_type) for ggml_type in gguf.GGMLQuantizationType)
 # ggml types stored as plain numbers; the rest are quantised blocks, read as bytes.
 _PLAIN_TENSORS = {
     gguf.GGMLQuantizationType.F16: np.float16,
@@ -83,7 +84,10 @@ def read_gguf(path: Path) -> GgufFile:
     for _ in range(tensor_count):
         name = header.string()
         dims = header.take_all(f"{header.take('I')}Q")
-        table.append((name, dims, gguf.GGMLQuantizationType(header.take("I")), header.take("Q")))
+        type_number = header.take("I")
+        if type_number not in _GGML_TYPES:
+            raise ValueError(f"tensor {name!r} has ggml type {type_number}, unknown to the gguf package")
+        table.append((name, dims, gguf.GGMLQuantizationType(type_number), header.take("Q")))
     if len({name for name, *_ in table}) != len(table):
         raise ValueError("two tensors share a name")
     alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)

@@ -1,8 +1,12 @@
 """The tokenizer of a GGUF: its vocabulary read from the metadata, rebuilt as a Hugging Face tokenizer.
 
-Produces what `convert_gguf` writes for text: `tokenizer.json` (SentencePiece-style BPE whose merges
-are rebuilt from the vocabulary), `tokenizer_config.json` (special tokens, add_bos, Gemma 3's chat
-template when the file has none) and `generation_config.json` (the ids that end generation).
+Produces what `convert_gguf` writes for text: `tokenizer.json`, `tokenizer_config.json` (special
+tokens, add_bos, the chat template; Gemma 3's when a gemma3 file has none) and
+`generation_config.json` (the ids that end generation). Two kinds of vocabulary, as llama.cpp names
+them in `tokenizer.ggml.model`:
+- "llama": SentencePiece-style BPE with byte fallback (Gemma), whose merges are rebuilt from the vocabulary;
+- "gpt2": byte-level BPE with the file's merges, split first by the pre-tokenizer that
+  `tokenizer.ggml.pre` names (SmolLM2: "smollm").
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, normalizers, processors
+from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
@@ -19,6 +23,17 @@ from kvsplice.errors import ModelLoadError
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4
+
+# tokenizer.ggml.pre -> how llama.cpp splits text before byte-level BPE. "smollm" (also StarCoder's):
+# every digit on its own, then GPT-2's regex, which is what ByteLevel's own regex does.
+_BYTE_LEVEL_PRE_TOKENIZERS = {
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    ),
+}
 
 # Gemma 3's chat template, as google/gemma-3-*-it ship it in tokenizer_config.json; GGUFs often omit it.
 GEMMA3_CHAT_TEMPLATE = (
@@ -65,12 +80,19 @@ GEMMA3_CHAT_TEMPLATE = (
 )
 
 
+# Chat templates for architectures whose GGUFs often omit theirs.
+_DEFAULT_CHAT_TEMPLATES = {"gemma3": GEMMA3_CHAT_TEMPLATE}
+
+
 @dataclass(frozen=True)
 class GgufVocab:
     """The tokenizer as a GGUF stores it: llama.cpp's key names, tokens spelled as in the file."""
 
+    model: str  # tokenizer.ggml.model: "llama" (SentencePiece) or "gpt2" (byte-level BPE)
+    pre: str | None  # tokenizer.ggml.pre, the byte-level pre-tokenizer
     tokens: list[str]
     token_types: list[int]
+    merges: list[str]  # byte-level BPE's, ranked, each "left right"; empty for SentencePiece
     bos_id: int | None
     eos_id: int | None
     pad_id: int | None
@@ -81,10 +103,29 @@ class GgufVocab:
 
 
 def read_vocab(metadata: dict[str, Any], path: Path) -> GgufVocab:
-    model = metadata.get("tokenizer.ggml.model")
-    if model != "llama":
+    model, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre")
+    merges: list[str] = []
+    if model == "llama":
+        # llama.cpp prepends a space unless told not to (Llama 2 does, Gemma does not); only the
+        # Gemma kind is rebuilt here.
+        if metadata.get("tokenizer.ggml.add_space_prefix", True):
+            raise ModelLoadError(
+                f"{path}: its SentencePiece vocabulary prepends a space to the text (Llama 2 style); "
+                "kvsplice converts only SentencePiece vocabularies that do not (Gemma's)"
+            )
+    elif model == "gpt2":
+        if pre not in _BYTE_LEVEL_PRE_TOKENIZERS:
+            raise ModelLoadError(
+                f"{path}: byte-level BPE with pre-tokenizer {pre!r} is not supported; kvsplice knows "
+                f"{', '.join(map(repr, _BYTE_LEVEL_PRE_TOKENIZERS))}"
+            )
+        merges = metadata.get("tokenizer.ggml.merges") or []
+        if not merges:
+            raise ModelLoadError(f"{path} lacks the merges of its BPE vocabulary (tokenizer.ggml.merges)")
+    else:
         raise ModelLoadError(
-            f"{path}: expected a SentencePiece ('llama') tokenizer for gemma3, got {model!r}"
+            f"{path}: tokenizer {model!r} is not supported; kvsplice converts 'llama' (SentencePiece) "
+            "and 'gpt2' (byte-level BPE) vocabularies"
         )
     tokens, types = metadata.get("tokenizer.ggml.tokens"), metadata.get("tokenizer.ggml.token_type")
     if tokens is None or types is None:
@@ -92,14 +133,17 @@ def read_vocab(metadata: dict[str, Any], path: Path) -> GgufVocab:
     if len(tokens) != len(types):
         raise ModelLoadError(f"{path}: {len(tokens)} tokens but {len(types)} token types")
     return GgufVocab(
+        model=model,
+        pre=pre,
         tokens=tokens,
         token_types=types,
+        merges=merges,
         bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_id=metadata.get("tokenizer.ggml.eos_token_id"),
         pad_id=metadata.get("tokenizer.ggml.padding_token_id"),
         unk_id=metadata.get("tokenizer.ggml.unknown_token_id"),
-        # llama.cpp adds BOS for a SentencePiece vocabulary that does not say otherwise.
-        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", True)),
+        # llama.cpp adds BOS for a SentencePiece vocabulary that does not say otherwise, not for BPE.
+        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", model == "llama")),
         add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
         chat_template=metadata.get("tokenizer.chat_template"),
     )
@@ -114,7 +158,7 @@ def generation_config(vocab: GgufVocab) -> dict[str, Any]:
     return {"bos_token_id": vocab.bos_id, "eos_token_id": eos, "pad_token_id": vocab.pad_id}
 
 
-def tokenizer_config(vocab: GgufVocab) -> dict[str, Any]:
+def tokenizer_config(vocab: GgufVocab, architecture: str) -> dict[str, Any]:
     def token(token_id: int | None) -> str | None:
         return vocab.tokens[token_id] if token_id is not None else None
 
@@ -125,12 +169,42 @@ def tokenizer_config(vocab: GgufVocab) -> dict[str, Any]:
         "unk_token": token(vocab.unk_id),
         "add_bos_token": vocab.add_bos,
         "add_eos_token": vocab.add_eos,
-        "chat_template": vocab.chat_template or GEMMA3_CHAT_TEMPLATE,
+        "chat_template": vocab.chat_template or _DEFAULT_CHAT_TEMPLATES.get(architecture),
     }
 
 
 def build_tokenizer(vocab: GgufVocab) -> HFTokenizer:
-    """Gemma's tokenizer from a GGUF vocabulary: SentencePiece-style BPE with byte fallback.
+    """The Hugging Face tokenizer that tokenises as llama.cpp does with this vocabulary."""
+    if vocab.model == "gpt2":
+        backend, tokens = _byte_level_tokenizer(vocab), vocab.tokens
+    else:
+        backend, tokens = _sentencepiece_tokenizer(vocab)
+    if vocab.add_bos and vocab.bos_id is not None:
+        # For other readers of tokenizer.json; kvsplice's Tokenizer encodes without it and reports add_bos.
+        bos = tokens[vocab.bos_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, vocab.bos_id)]
+        )
+    typed = list(zip(tokens, vocab.token_types, strict=True))
+    backend.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token, kind in typed if kind == _CONTROL]
+    )
+    # SentencePiece's respelled space runs are left to BPE, which builds them from "▁" merges.
+    # transformers does the same (it looks them up under their original spelling, finds nothing,
+    # and adds none).
+    respelled = {token for token, original in zip(tokens, vocab.tokens, strict=True) if token != original}
+    backend.add_tokens(
+        [
+            AddedToken(token, special=False, normalized=False)
+            for token, kind in typed
+            if kind == _USER_DEFINED and token not in respelled
+        ]
+    )
+    return backend
+
+
+def _sentencepiece_tokenizer(vocab: GgufVocab) -> tuple[HFTokenizer, list[str]]:
+    """Gemma's tokenizer: SentencePiece-style BPE with byte fallback, and its tokens as it spells them.
 
     Spaces become "▁" before BPE and back after; no space is prepended. Control tokens (type 3)
     become special added tokens, user-defined ones (type 4, like "\\n\\n") plain added tokens matched
@@ -151,26 +225,27 @@ def build_tokenizer(vocab: GgufVocab) -> HFTokenizer:
     backend.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
-    if vocab.add_bos and vocab.bos_id is not None:
-        # For other readers of tokenizer.json; kvsplice's Tokenizer encodes without it and reports add_bos.
-        bos = tokens[vocab.bos_id]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, vocab.bos_id)]
-        )
-    typed = list(zip(tokens, vocab.token_types, strict=True))
-    backend.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False) for token, kind in typed if kind == _CONTROL]
-    )
-    # The respelled space runs are left to BPE, which builds them from "▁" merges. transformers does
-    # the same (it looks them up under their original spelling, finds nothing, and adds none).
-    respelled = {token for token, original in zip(tokens, vocab.tokens, strict=True) if token != original}
-    backend.add_tokens(
-        [
-            AddedToken(token, special=False, normalized=False)
-            for token, kind in typed
-            if kind == _USER_DEFINED and token not in respelled
-        ]
-    )
+    return backend, tokens
+
+
+def _byte_level_tokenizer(vocab: GgufVocab) -> HFTokenizer:
+    """GPT-2-style BPE: text as UTF-8 bytes spelled as printable characters (a space is "Ġ"), merged
+    by the file's ranked merges, after the pre-tokenizer has split it into words."""
+    token_ids = {token: index for index, token in enumerate(vocab.tokens)}
+    if len(token_ids) != len(vocab.tokens):
+        raise ModelLoadError("the GGUF vocabulary spells some token twice")
+    merges = []
+    for merge in vocab.merges:
+        # A byte-level token never holds a real space, so the one space separates the two sides.
+        left, space, right = merge.partition(" ")
+        if not (left and space and right) or left + right not in token_ids:
+            raise ModelLoadError(f"the GGUF's BPE merge {merge!r} does not join two tokens into a third")
+        merges.append((left, right))
+    unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
+    backend = HFTokenizer(BPE(token_ids, merges, unk_token=unk))
+    assert vocab.pre is not None, "read_vocab checks the pre-tokenizer"
+    backend.pre_tokenizer = _BYTE_LEVEL_PRE_TOKENIZERS[vocab.pre]()
+    backend.decoder = decoders.ByteLevel()
     return backend
 
 

@@ -1,12 +1,16 @@
-"""A gemma3 GGUF's model: config.json from its metadata, and its tensors dequantised into model.safetensors.
+"""A GGUF's tensors, named, checked and dequantised into model.safetensors (float32, Hugging Face names).
 
-GGUF tensor names are mapped to Hugging Face Gemma 3 names and every tensor's shape is checked
-against the config before anything is written; the weights are then written as float32, a chunk
-at a time, with llama.cpp's stored RMSNorm weights (1 + w) turned back into transformers' w.
+GGUF tensor names are mapped to the Hugging Face names of the file's architecture, and every
+tensor's shape and type is checked against the config before anything is written. The weights are
+then written a chunk at a time, with what llama.cpp's converter did to them undone:
+- gemma3: RMSNorm weights are stored as 1 + w (Gemma's norm multiplies by 1 + w); transformers wants w.
+- llama: the rows of q_proj and k_proj are permuted within each head, because llama.cpp's RoPE
+  rotates adjacent pairs (2i, 2i + 1) where transformers' rotates (i, i + head_dim / 2).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -20,142 +24,123 @@ from tqdm import tqdm
 
 from kvsplice.errors import ModelLoadError
 from kvsplice.loader.gguf_file import GgufTensor
-from kvsplice.loader.gguf_tokenizer import GgufVocab
 
 # Dequantise this many values at a time, so the 262144 x 640 embedding never exists twice in memory.
 _CHUNK_VALUES = 1 << 23
 
-# GGUF tensor names -> Hugging Face Gemma 3 names; per-layer ones live under model.layers.{i}.
+# GGUF tensor names -> Hugging Face names; per-layer ones live under model.layers.{i}.
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",  # only in files whose output is not tied to the embedding
 }
 _LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "gemma3": {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "attn_norm": "input_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+    "llama": {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",  # llama's norm before the MLP, named as transformers does
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
 class TensorPlan(NamedTuple):
-    """One GGUF tensor and where it goes in model.safetensors."""
+    """One GGUF tensor, where it goes in model.safetensors, and how llama.cpp stored it."""
 
     tensor: GgufTensor
     hf_name: str
     shape: tuple[int, ...]  # Hugging Face order: [out_features, in_features] for a linear weight
+    plus_one: bool  # stored as 1 + w (Gemma's RMSNorm weights)
+    rope_heads: int  # rows interleaved per head for llama.cpp's RoPE, over this many heads; 0: not
 
 
-def _float32_value(value: float) -> float:
-    """A GGUF float32 as the decimal it was written from: 9.99999997e-07 -> 1e-06."""
-    return float(str(np.float32(value)))
-
-
-def gemma3_config(metadata: dict[str, Any], vocab: GgufVocab, tied: bool) -> dict[str, Any]:
-    """config.json for a gemma3 GGUF: transformers' Gemma3TextConfig fields, readable as plain JSON."""
-
-    def key(name: str) -> Any:
-        full = f"gemma3.{name}"
-        if full not in metadata:
-            raise ModelLoadError(f"gemma3 GGUF lacks the metadata key {full!r}")
-        return metadata[full]
-
-    layers, hidden, heads = key("block_count"), key("embedding_length"), key("attention.head_count")
-    head_dim = key("attention.key_length")
-    # What follows is not in the GGUF (or only in newer ones); the defaults are Gemma 3's, as in
-    # llama.cpp: every 6th layer attends globally, the local layers use rope base 10000, and queries
-    # are scaled by head_dim**-0.5 except on the 27B (62 layers), which uses (hidden / heads)**-0.5.
-    pattern = metadata.get("gemma3.attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):  # per layer: True where the layer uses the sliding window
-        sliding = [bool(is_sliding) for is_sliding in pattern]
-    else:
-        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
-    if len(sliding) != layers:
-        raise ModelLoadError(f"sliding_window_pattern covers {len(sliding)} layers, the model has {layers}")
-    local_rope_theta = _float32_value(metadata.get("gemma3.rope.freq_base_swa", 10000.0))
-    query_pre_attn_scalar = hidden // heads if layers == 62 else head_dim
-
-    full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _float32_value(key("rope.freq_base"))}
-    scaling = metadata.get("gemma3.rope.scaling.type", "none")
-    factor = _float32_value(metadata.get("gemma3.rope.scaling.factor", 1.0))
-    if scaling == "linear" and factor != 1.0:  # Gemma 3 4B and up stretch only the global layers' rope
-        full_rope = {**full_rope, "rope_type": "linear", "factor": factor}
-    elif scaling not in ("none", "linear"):
-        raise ModelLoadError(f"gemma3 GGUF uses rope scaling {scaling!r}; kvsplice supports only 'linear'")
-
-    return {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
-        "vocab_size": len(vocab.tokens),
-        "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv"),
-        "head_dim": head_dim,
-        "rms_norm_eps": _float32_value(key("attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": key("context_length"),
-        "sliding_window": key("attention.sliding_window"),
-        "layer_types": ["sliding_attention" if is_sliding else "full_attention" for is_sliding in sliding],
-        "rope_parameters": {
-            "full_attention": full_rope,
-            "sliding_attention": {"rope_type": "default", "rope_theta": local_rope_theta},
-        },
-        "query_pre_attn_scalar": query_pre_attn_scalar,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "attention_bias": False,
-        "attn_logit_softcapping": None,
-        "final_logit_softcapping": None,
-        "tie_word_embeddings": tied,
-        "bos_token_id": vocab.bos_id,
-        "eos_token_id": vocab.eos_id,
-        "pad_token_id": vocab.pad_id,
-    }
-
-
-def plan_tensors(tensors: list[GgufTensor], config: dict[str, Any], path: Path) -> list[TensorPlan]:
-    """Name and check every tensor before writing anything: unknown, missing or misshapen ones fail."""
-    expected = _expected_shapes(config)
+def plan_tensors(
+    tensors: list[GgufTensor], config: dict[str, Any], architecture: str, path: Path
+) -> list[TensorPlan]:
+    """Name and check every tensor before writing anything: unknown, missing or misshapen ones fail,
+    and so do ones in a ggml type that cannot be dequantised."""
+    expected = _expected_shapes(config, architecture)
     plans = []
     for tensor in tensors:
-        hf_name = hf_tensor_name(tensor.name)
+        hf_name = hf_tensor_name(tensor.name, architecture)
         if hf_name is None or hf_name not in expected:
-            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for this gemma3 config")
+            # llama.cpp stores llama3-style rope scaling as this tensor of per-frequency factors.
+            why = " (llama3 rope scaling, not supported)" if tensor.name == "rope_freqs.weight" else ""
+            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r}{why} for a {architecture} model")
         shape = tuple(int(dim) for dim in reversed(tensor.shape))  # ggml lists the fastest axis first
         if shape != expected[hf_name]:
             raise ModelLoadError(f"{path}: {tensor.name} has shape {shape}, expected {expected[hf_name]}")
-        plans.append(TensorPlan(tensor, hf_name, shape))
+        if not _can_dequantize(tensor.tensor_type):
+            raise ModelLoadError(
+                f"{path}: {tensor.name} is stored as {tensor.tensor_type.name}, a ggml type that the "
+                "installed gguf package cannot dequantise"
+            )
+        plans.append(TensorPlan(tensor, hf_name, shape, *_stored_form(hf_name, config, architecture)))
     missing = sorted(set(expected) - {plan.hf_name for plan in plans})
     if missing:
         raise ModelLoadError(f"{path}: tensors missing for {missing[:5]}{'...' if len(missing) > 5 else ''}")
     return plans
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def _stored_form(hf_name: str, config: dict[str, Any], architecture: str) -> tuple[bool, int]:
+    """(plus_one, rope_heads) of a tensor: what llama.cpp's converter changed in it."""
+    if architecture == "gemma3":
+        return hf_name.endswith("norm.weight"), 0
+    # Llama: llama.cpp permutes q with the query heads, k with the key/value heads.
+    if hf_name.endswith("self_attn.q_proj.weight"):
+        return False, config["num_attention_heads"]
+    if hf_name.endswith("self_attn.k_proj.weight"):
+        return False, config["num_key_value_heads"]
+    return False, 0
+
+
+@functools.cache
+def _can_dequantize(tensor_type: gguf.GGMLQuantizationType) -> bool:
+    """Whether gguf-py dequantises this type: it raises NotImplementedError for the ones it cannot."""
+    block_bytes = gguf.GGML_QUANT_SIZES[tensor_type][1]
+    try:
+        gguf.quants.dequantize(np.zeros((1, block_bytes), np.uint8), tensor_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def hf_tensor_name(gguf_name: str, architecture: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match[2] not in _LAYER_TENSORS:
+    layer_tensors = _LAYER_TENSORS[architecture]
+    if match is None or match[2] not in layer_tensors:
         return None
-    return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.weight"
+    return f"model.layers.{match[1]}.{layer_tensors[match[2]]}.weight"
 
 
-def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: dict[str, Any], architecture: str) -> dict[str, tuple[int, ...]]:
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     q_dim = config["num_attention_heads"] * config["head_dim"]
     kv_dim = config["num_key_value_heads"] * config["head_dim"]
-    per_layer = {
+    shape_of = {
         "self_attn.q_proj": (q_dim, hidden),
         "self_attn.k_proj": (kv_dim, hidden),
         "self_attn.v_proj": (kv_dim, hidden),
@@ -170,6 +155,7 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj": (inter, hidden),
         "mlp.down_proj": (hidden, inter),
     }
+    per_layer = {name: shape_of[name] for name in _LAYER_TENSORS[architecture].values()}
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (vocab, hidden)
@@ -180,16 +166,33 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _dequantized_chunks(plan: TensorPlan) -> Iterator[np.ndarray]:
-    """The tensor as float32 in row chunks, Hugging Face layout. llama.cpp stores Gemma's RMSNorm
-    weights as 1 + w (Gemma's norm multiplies by 1 + w); transformers' Gemma3 expects w."""
+    """The tensor as float32 in row chunks, Hugging Face layout, with llama.cpp's changes undone."""
     data = plan.tensor.data  # HF order: [rows, values per row], or [rows, bytes per row] when quantised
     rows = 1 if data.ndim == 1 else data.shape[0]
     rows_per_chunk = max(1, _CHUNK_VALUES // max(1, plan.tensor.n_elements // rows))
-    is_norm = plan.hf_name.endswith("norm.weight")
+    head_rows = rows // plan.rope_heads if plan.rope_heads else 1
+    rows_per_chunk = max(1, rows_per_chunk // head_rows) * head_rows  # whole heads: they are unpermuted alone
     for start in range(0, rows, rows_per_chunk):
         block = data if data.ndim == 1 else data[start : start + rows_per_chunk]
         values = np.asarray(gguf.quants.dequantize(block, plan.tensor.tensor_type), dtype=np.float32)
-        yield values - np.float32(1.0) if is_norm else values
+        if plan.plus_one:
+            values = values - np.float32(1.0)
+        if plan.rope_heads:
+            values = _unpermute_rope_rows(values, head_rows)
+        yield values
+
+
+def _unpermute_rope_rows(values: np.ndarray, head_dim: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of a q/k projection: [heads * head_dim, in] -> the same shape.
+
+    Within a head, transformers' rows i and i + head_dim/2 form a rotated pair; llama.cpp's converter
+    moves them to rows 2i and 2i + 1.
+    """
+    rows, columns = values.shape
+    assert rows % head_dim == 0 and head_dim % 2 == 0, (rows, head_dim)
+    # [heads, head_dim/2 (i), 2 (which half), in] -> [heads, 2, head_dim/2, in]
+    pairs = values.reshape(rows // head_dim, head_dim // 2, 2, columns)
+    return pairs.swapaxes(1, 2).reshape(rows, columns)
 
 
 def write_safetensors(path: Path, plans: list[TensorPlan], desc: str) -> None:
