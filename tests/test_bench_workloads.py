@@ -45,8 +45,8 @@ def test_defaults_are_resolved_and_sizes_honoured(name: str) -> None:
     for request in small.requests:
         for doc in request.docs:
             # Sentences are kept whole, so a document may fall short of doc_words but never exceed it
-            # (plus qa's planted fact, fewshot's "Text:" and "Category: <label>").
-            assert len(doc.text.split()) <= 50 + {"qa": 9, "fewshot": 3}.get(name, 0)
+            # (plus qa's planted fact, fewshot's "Text:" and "Category: <label>", recall's five facts).
+            assert len(doc.text.split()) <= 50 + {"qa": 9, "fewshot": 3, "recall": 43}.get(name, 0)
 
 
 @pytest.mark.parametrize("name", ["rag", "qa", "fewshot"])

@@ -4,8 +4,9 @@
     result = run_bench(BenchConfig("rag", WorkloadSpec(requests=4), systems=("hash", "radix", "splice")))
     print(write_report(result, Path("out/bench/rag")))
 
-Modules: workloads (rag, qa, fewshot) and conversations (chat, agent) generate requests; systems names
-what runs; runner runs and measures; metrics defines the measures; report and plots write them.
+Modules: workloads (rag, qa, fewshot), conversations (chat, agent) and recall generate requests; systems
+names what runs; runner runs and measures; metrics defines the measures, stats their confidence
+intervals and breakdown the view by setting and answer position; report and plots write them.
 """
 
 from kvsplice.bench.base import BenchRequest, Doc, Workload, WorkloadSpec

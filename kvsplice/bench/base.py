@@ -33,6 +33,13 @@ class BenchRequest:
     # Conversation or episode, and the turn (or step) within it.
     group: str = ""
     turn: int = 0
+    # The setting the request belongs to ("8 docs") and where its answer document sits ("first",
+    # "middle", "last"): the report breaks accuracy and fidelity down by both.
+    setting: str = ""
+    answer_position: str = ""
+    # Judge the answer at the start of the continuation (the prompt ends where the answer begins)
+    # instead of anywhere in its first line.
+    answer_at_start: bool = False
 
     @property
     def docs(self) -> tuple[Doc, ...]:
@@ -52,6 +59,9 @@ class WorkloadSpec:
     seed: int = 0
     # Documents per request (rag, qa); examples per prompt (fewshot).
     docs: int | None = None
+    # Several settings of documents per request, each measured on its own (recall); a workload with
+    # settings takes one `docs` as the one setting.
+    doc_counts: tuple[int, ...] | None = None
     # Distinct documents the requests draw from (examples for fewshot, tool outputs for agent).
     pool: int | None = None
     # Turns per conversation (chat); steps per episode (agent).

@@ -19,6 +19,8 @@ WORKLOAD_HELP = {
     "chat": "multi-turn conversations, each turn extending the previous prompt (per-turn tables)",
     "agent": "fixed system prompt and tools, a growing history re-sending earlier tool outputs",
     "fewshot": "the same labelled examples in a new order per request; accuracy",
+    "recall": "multi-document fact recall with same-kind distractors, 4, 8 and 12 documents, the answer "
+    "first, middle or last; accuracy with confidence intervals by setting and position",
 }
 
 
@@ -54,13 +56,27 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
     )
     sizes = parser.add_argument_group("workload sizes (defaults per workload)")
     sizes.add_argument(
-        "--requests", type=int, help="measured requests (chat: conversations; agent: measured episodes)"
+        "--requests",
+        type=int,
+        help="measured requests (chat: conversations; agent: measured episodes; recall: per setting)",
     )
     sizes.add_argument("--seed", type=int, default=0)
-    sizes.add_argument("--docs", type=int, help="documents per request (rag, qa); examples (fewshot)")
-    sizes.add_argument("--pool", type=int, help="shared documents the requests draw from")
+    sizes.add_argument(
+        "--docs",
+        type=int,
+        nargs="+",
+        help="documents per request (rag, qa); examples (fewshot); recall: one or more settings "
+        "(default 4 8 12)",
+    )
+    sizes.add_argument(
+        "--pool", type=int, help="shared documents the requests draw from (recall: per setting)"
+    )
     sizes.add_argument("--turns", type=int, help="turns per conversation (chat), steps per episode (agent)")
-    sizes.add_argument("--doc-words", type=int, help="cut documents to at most this many words")
+    sizes.add_argument(
+        "--doc-words",
+        type=int,
+        help="cut documents to at most this many words (qa, recall: before the planted facts)",
+    )
     sizes.add_argument(
         "--source",
         choices=("auto", "musique", "synthetic"),
@@ -87,10 +103,12 @@ def _bench(args: argparse.Namespace) -> None:
 
     try:
         budgets = tuple(_numbers(" ".join(args.budgets))) if args.budgets else None
+        docs = args.docs or []
         spec = WorkloadSpec(
             requests=args.requests,
             seed=args.seed,
-            docs=args.docs,
+            docs=docs[0] if len(docs) == 1 else None,
+            doc_counts=tuple(docs) if len(docs) > 1 else None,
             pool=args.pool,
             turns=args.turns,
             doc_words=args.doc_words,

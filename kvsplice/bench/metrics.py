@@ -9,7 +9,8 @@ Definitions (docs/bench.md has the long form):
 - computed: prompt tokens computed from scratch plus reused tokens recomputed by repair, over the
   prompt tokens; FLOPs: the system's estimated prefill FLOPs over the full prefill's.
 - accuracy: one of the request's answers appears (case-insensitively) in the first non-empty line
-  of the greedy continuation.
+  of the greedy continuation; for a request whose prompt ends where the answer begins (recall), the
+  continuation must start with it, past leading spaces, as a whole word.
 - peak KV: the most KV memory the system held while a request ran (see runner.py).
 """
 
@@ -19,8 +20,12 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvsplice.bench.base import BenchRequest
 
 
 @dataclass
@@ -32,6 +37,9 @@ class RequestRecord:
     warmup: bool = False
     group: str = ""
     turn: int = 0
+    # The request's setting and answer position (recall), for the breakdown in the report.
+    setting: str = ""
+    answer_position: str = ""
     # Why the system failed on this request; None when it succeeded.
     error: str | None = None
     prompt_tokens: int = 0
@@ -60,6 +68,19 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @classmethod
+    def for_request(cls, system: str, request: BenchRequest) -> RequestRecord:
+        """A record of `request` on `system` that carries the request's labels."""
+        return cls(
+            system,
+            request.request_id,
+            warmup=request.warmup,
+            group=request.group,
+            turn=request.turn,
+            setting=request.setting,
+            answer_position=request.answer_position,
+        )
 
 
 @dataclass(frozen=True)
@@ -127,9 +148,15 @@ def first_line(text: str) -> str:
     return next((line for line in text.splitlines() if line.strip()), "")
 
 
-def is_correct(text: str, answers: Iterable[str]) -> bool:
-    line = first_line(text).lower()
-    return any(answer.lower() in line for answer in answers)
+def is_correct(text: str, answers: Iterable[str], at_start: bool = False) -> bool:
+    """One of the answers is in the first non-empty line; with `at_start`, the continuation starts
+    with it (past leading spaces) and it ends there or at a character that is not a letter or digit,
+    so that "47210" is not "4721" and "Brenda" is not "Bren"."""
+    if not at_start:
+        line = first_line(text).lower()
+        return any(answer.lower() in line for answer in answers)
+    head = text.lstrip(" ").lower()
+    return any(head.startswith(a.lower()) and not head[len(a) : len(a) + 1].isalnum() for a in answers if a)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,5 +1,5 @@
 """PNG plots of a bench run (matplotlib, Agg backend): the fidelity-TTFT frontier, reuse per system,
-and for chat/agent TTFT and computed tokens per turn."""
+for chat/agent TTFT and computed tokens per turn, and for recall accuracy by answer position."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
+from kvsplice.bench.breakdown import ALL, by_group, settings
 from kvsplice.bench.metrics import SystemSummary
 from kvsplice.bench.results import BenchResult
 
@@ -156,6 +157,49 @@ def turns(result: BenchResult, path: Path) -> None:
     plt.close(fig)
 
 
+def positions(result: BenchResult, path: Path) -> None:
+    """Per setting, accuracy with its 95% Wilson interval at each answer position, a line per system."""
+    rows = [r for r in by_group(result.records, result.systems) if r.setting != ALL]
+    settings = list(dict.fromkeys(r.setting for r in rows))
+    fig, axes = plt.subplots(1, len(settings), figsize=(3.6 * len(settings) + 1.5, 4.2), squeeze=False)
+    colours: dict[str, str] = {}
+    width = 0.3 / max(len(result.systems) - 1, 1)
+    for ax, setting in zip(axes[0], settings, strict=True):
+        cells = [r for r in rows if r.setting == setting and r.answer_position != ALL]
+        places = list(dict.fromkeys(r.answer_position for r in cells))
+        for i, name in enumerate(result.systems):
+            # Systems side by side at each position, so that their intervals do not hide each other.
+            shift = (i - (len(result.systems) - 1) / 2) * width
+            points = [
+                (places.index(r.answer_position) + shift, r.accuracy)
+                for r in cells
+                if r.system == name and r.accuracy is not None
+            ]
+            ax.errorbar(
+                [x for x, _ in points],
+                [a.estimate * 100 for _, a in points],
+                yerr=[
+                    [(a.estimate - a.low) * 100 for _, a in points],
+                    [(a.high - a.estimate) * 100 for _, a in points],
+                ],
+                fmt="o-",
+                capsize=3,
+                color=_colour(_family(name), colours),
+                label=_short(name),
+            )
+        ax.set_xticks(range(len(places)), places)
+        ax.set_ylim(-3, 103)
+        ax.set_title(setting)
+        ax.set_xlabel("answer document's position")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("accuracy (%), 95% Wilson interval")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"{result.workload}: accuracy by setting and answer position")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_plots(result: BenchResult, out: Path) -> list[str]:
     """Write the plots into `out`; returns their file names."""
     names = ["frontier.png", "reuse.png"]
@@ -163,5 +207,8 @@ def write_plots(result: BenchResult, out: Path) -> list[str]:
     reuse(result, out / names[1])
     if result.turns:
         names.append("turns.png")
-        turns(result, out / names[2])
+        turns(result, out / names[-1])
+    if settings(result.records):
+        names.append("positions.png")
+        positions(result, out / names[-1])
     return names

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from kvsplice.bench.breakdown import ALL, GroupSummary, by_group
 from kvsplice.bench.metrics import SystemSummary, TurnSummary
 from kvsplice.bench.results import BenchResult
+from kvsplice.bench.stats import Interval
 
 LEGEND = (
     "TTFT: time to first token (p50, p95); speedup: median over requests of the full prefill's TTFT "
@@ -19,7 +21,16 @@ LEGEND = (
     "the first generated position, in nats; top-1: same most likely first token; same N: identical "
     "greedy continuation of N tokens; match: mean leading tokens of the continuation equal to the full "
     "prefill's. accuracy: the answer appears in the first line of the "
-    "continuation. peak KV: most KV memory the system held while a request ran (docs/bench.md)."
+    "continuation (recall: the continuation starts with it). peak KV: most KV memory the system held "
+    "while a request ran (docs/bench.md)."
+)
+BREAKDOWN_LEGEND = (
+    "accuracy: the continuation starts with the answer, with its 95% Wilson interval. Δ vs "
+    "{reference}: accuracy minus the full prefill's on the same requests, in points, with its 95% "
+    "interval for paired outcomes (Newcombe's score method): an interval below 0 is a loss the run "
+    "shows, one that spans 0 is not told apart from none. KL, top-1 and match as above; the first "
+    "generated token is the answer's own first token, so top-1 says whether the system would answer "
+    "as the full prefill does."
 )
 
 
@@ -79,6 +90,41 @@ def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
         ]
         rows.append(f"| {s.system} | {done} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _interval(value: Interval | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value.estimate * 100:.0f}% [{value.low * 100:.0f}–{value.high * 100:.0f}]"
+
+
+def _points(value: Interval | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value.estimate * 100:+.0f} [{value.low * 100:+.0f}, {value.high * 100:+.0f}]"
+
+
+def breakdown_tables(rows: list[GroupSummary], reference: str) -> str:
+    """A table per setting (and one over all settings): per answer position, a row per system."""
+    head = (
+        f"| position | system | done | accuracy [95% CI] | Δ vs {reference} [95% CI] | KL | top-1 | match |"
+    )
+    tables: dict[str, list[str]] = {}
+    for row in rows:
+        lines = tables.setdefault(row.setting, [head, "|---|---|---:|---:|---:|---:|---:|---:|"])
+        done = f"{row.requests - row.failed}/{row.requests}"
+        cells = [
+            _interval(row.accuracy),
+            "–" if row.system == reference else _points(row.accuracy_diff),
+            _kl(row.kl_mean),
+            _pct(row.top1_rate),
+            "–" if row.matched_mean is None else f"{row.matched_mean:.1f}",
+        ]
+        lines.append(f"| {row.answer_position} | {row.system} | {done} | " + " | ".join(cells) + " |")
+    return "\n\n".join(
+        f"### {'All settings' if setting == ALL else setting}\n\n" + "\n".join(lines)
+        for setting, lines in tables.items()
+    )
 
 
 def turn_tables(turns: list[TurnSummary], systems: list[str]) -> str:
@@ -167,6 +213,16 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
     ]
     if r.turns:
         lines += ["", "## Per turn", "", turn_tables(r.turns, r.systems)]
+    groups = by_group(r.records, r.systems)
+    if groups:
+        lines += [
+            "",
+            "## By setting and answer position",
+            "",
+            breakdown_tables(groups, r.systems[0]),
+            "",
+            BREAKDOWN_LEGEND.format(reference=r.systems[0]),
+        ]
     failures = Counter((x.system, x.error) for x in r.records if x.error is not None)
     if failures:
         lines += ["", "## Failures", ""]

@@ -99,6 +99,8 @@ class BenchResult:
             machine[key] = tuple(machine[key]) if machine[key] is not None else None
         machine["git_modified"] = tuple(machine.get("git_modified", ()))
         model = raw.pop("model")
+        # JSON has no tuples: sizes that are tuples (doc_counts) come back as lists.
+        raw["spec"] = {k: tuple(v) if isinstance(v, list) else v for k, v in raw["spec"].items()}
         return BenchResult(
             machine=MachineInfo(**machine),
             model=ModelInfo(**model) if model else None,

@@ -1,5 +1,5 @@
 """Benchmark workloads, seeded and deterministic: rag, qa and fewshot here, chat and agent in
-conversations.py. Each is a list of requests made of prompt parts.
+conversations.py, recall in recall.py. Each is a list of requests made of prompt parts.
 
 A request's prompt is a tuple of parts: plain strings (instructions, questions, turns) and `Doc`s,
 the reusable content (documents, examples, tool outputs). A system decides how to pass a Doc: as a
@@ -29,6 +29,7 @@ from kvsplice.bench.base import (
     warmup_orders,
 )
 from kvsplice.bench.conversations import agent, chat
+from kvsplice.bench.recall import recall
 from kvsplice.bench.synth import KINDS
 
 DEFAULTS = {
@@ -37,6 +38,8 @@ DEFAULTS = {
     "chat": WorkloadSpec(requests=3, turns=5, pool=4, doc_words=150),
     "agent": WorkloadSpec(requests=3, turns=4, pool=6, doc_words=180),
     "fewshot": WorkloadSpec(requests=8, docs=8, pool=8, doc_words=60),
+    # requests: per setting; doc_words: the filler's most words (with the facts, ~500 tokens).
+    "recall": WorkloadSpec(requests=24, doc_counts=(4, 8, 12), pool=24, doc_words=290),
 }
 
 RAG_INSTRUCTION = "Answer the question using the documents below.\n\n"
@@ -53,6 +56,12 @@ def make_workload(name: str, spec: WorkloadSpec | None = None) -> Workload:
 
 def resolve(name: str, spec: WorkloadSpec) -> WorkloadSpec:
     defaults = DEFAULTS[name]
+    if defaults.doc_counts is None and spec.doc_counts is not None:
+        raise ValueError(f"{name} takes one count of documents per request (docs), not several")
+    if defaults.doc_counts is not None and spec.docs is not None:
+        if spec.doc_counts is not None:
+            raise ValueError("give the documents per request as docs or as doc_counts, not both")
+        spec = dataclasses.replace(spec, docs=None, doc_counts=(spec.docs,))
     sizes = {
         f.name: getattr(defaults, f.name) if getattr(spec, f.name) is None else getattr(spec, f.name)
         for f in dataclasses.fields(spec)
@@ -62,6 +71,8 @@ def resolve(name: str, spec: WorkloadSpec) -> WorkloadSpec:
         value = getattr(resolved, field)
         if value is not None and value < 1:
             raise ValueError(f"{field} must be >= 1, got {value}")
+    if resolved.doc_counts is not None and not resolved.doc_counts:
+        raise ValueError("doc_counts needs at least one count")
     if resolved.docs is not None and resolved.pool is not None and resolved.pool < resolved.docs:
         raise ValueError(f"the pool ({resolved.pool}) must hold at least docs ({resolved.docs}) documents")
     return resolved
@@ -205,4 +216,5 @@ WORKLOADS: dict[str, Callable[[WorkloadSpec], Workload]] = {
     "chat": chat,
     "agent": agent,
     "fewshot": fewshot,
+    "recall": recall,
 }
