@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvsplice.errors import ConfigError
+from kvsplice.store.fingerprint import DTYPE_NAMES
 
-STORE_DTYPES = ("float32", "float16", "bfloat16")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
@@ -50,14 +50,10 @@ class StoreConfig:
         _check(self.store_breaker_failures >= 1, "store_breaker_failures must be >= 1")
         _check(self.store_breaker_cooldown_s > 0, "store_breaker_cooldown_s must be > 0")
         _check(
-            self.store_dtype is None or self.store_dtype in STORE_DTYPES,
-            f"store_dtype must be one of {STORE_DTYPES} or None",
+            self.store_dtype is None or self.store_dtype in DTYPE_NAMES,
+            f"store_dtype must be one of {DTYPE_NAMES} or None",
         )
         _check(self.store_write_queue_bytes > 0, "store_write_queue_bytes must be > 0")
-
-    @property
-    def enabled(self) -> bool:
-        return self.store_dir is not None or self.store_url is not None
 
 
 def _check(ok: bool, message: str) -> None:

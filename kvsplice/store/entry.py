@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import torch
 
-from kvsplice.store.fingerprint import KVFingerprint
+from kvsplice.store.fingerprint import DTYPE_NAMES, KVFingerprint
 
 FORMAT_VERSION = 1
 MAGIC = b"KVSPLICE"
@@ -33,7 +33,7 @@ _PREFIX = struct.Struct("<8sHI")  # magic, version, header length
 DIGEST_BYTES = 32
 # The payload starts aligned, so every tensor is a view at an aligned offset.
 ALIGN = 64
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class CorruptEntryError(Exception):
@@ -94,7 +94,7 @@ def entry_key(fingerprint: KVFingerprint, namespace: str, token_ids: Sequence[in
     """64 hex digits naming (format version, fingerprint, namespace, token ids)."""
     h = hashlib.blake2b(digest_size=32)
     h.update(FORMAT_VERSION.to_bytes(2, "little"))
-    h.update(fingerprint.digest())
+    h.update(fingerprint.digest)
     ns = namespace.encode("utf-8")
     h.update(len(ns).to_bytes(4, "little") + ns)
     h.update(_token_bytes(token_ids))

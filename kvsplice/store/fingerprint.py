@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import astuple, dataclass, fields
+from functools import cached_property
 from typing import Any
 
 import msgpack
@@ -59,6 +60,8 @@ class KVFingerprint:
         kwargs["context_tokens"] = tuple(kwargs["context_tokens"])
         return cls(**kwargs)
 
+    @cached_property
     def digest(self) -> bytes:
-        """32 bytes naming this fingerprint (msgpack of ints, strs and lists is canonical)."""
+        """32 bytes naming this fingerprint (msgpack of ints, strs and lists is canonical); computed
+        once, as every key derivation starts from it."""
         return hashlib.blake2b(msgpack.packb(self.to_wire()), digest_size=32).digest()
