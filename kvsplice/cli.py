@@ -24,8 +24,8 @@ def _generate(args: argparse.Namespace) -> None:
         seed=args.seed_sampling,
     )
     config = EngineConfig.from_args(args)
-    print(f"[kvsplice: {config.describe_threads()}]", file=sys.stderr, flush=True)
     engine = Engine(config)
+    print(f"[kvsplice: {config.describe_threads()}]", file=sys.stderr, flush=True)
     request_id = engine.add_request(args.prompt, params)
     print(args.prompt, end="", flush=True)
     while engine.has_unfinished():

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvsplice.model_config import ModelConfig
 from kvsplice.repair.base import RepairTask
 from kvsplice.repair.policies import DeviationObserver
 from kvsplice.repair.registry import budget_tokens, make_policy
@@ -103,3 +104,23 @@ def test_deviation_keeps_the_most_deviating_tokens() -> None:
 )
 def test_budget(spliced: int, ratio: float, tokens: int | None, expected: int) -> None:
     assert budget_tokens(spliced, ratio, tokens) == expected
+
+
+def test_query_probes_the_question_and_recomputes_what_it_attends_to() -> None:
+    from kvsplice.repair.query import QueryAttentionObserver, probe_layers
+    from tests.tiny_models import COMMON
+
+    cfg = ModelConfig.from_dict(
+        {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+    )
+    plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
+    task = RepairTask(plan, 2, num_layers=4, model=cfg)
+    policy = make_policy("query")
+    probe = policy.decide(task).probe
+    assert probe is not None and probe.positions == () and not probe.resume
+    assert probe.last_layer == 1 and probe_layers(cfg) == {0, 1}
+    assert isinstance(probe.observer, QueryAttentionObserver)
+    # The question is what follows the last reused token.
+    assert probe.observer._watched.nonzero().squeeze(1).tolist() == [9, 10, 11]
+    probe.observer.score = torch.tensor([9.0, 9, 0.1, 3, 0.2, 9, 0.3, 0.4, 5, 9, 9, 9])
+    assert policy.choose(task, probe) == (3, 8)

@@ -45,7 +45,16 @@ BUDGETS = (4096, 8, 7)
 
 
 @pytest.mark.parametrize(
-    "case", ["plain", "prefix_hit", "spliced_none", "spliced_recency", "spliced_deviation", "spliced_full"]
+    "case",
+    [
+        "plain",
+        "prefix_hit",
+        "spliced_none",
+        "spliced_recency",
+        "spliced_deviation",
+        "spliced_query",
+        "spliced_full",
+    ],
 )
 def test_chunk_size_does_not_change_the_logits(model_dir: Path, case: str) -> None:
     results = []

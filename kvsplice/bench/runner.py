@@ -197,7 +197,7 @@ class _Run:
         return records
 
     def _run_one(self, system: System, request: BenchRequest) -> tuple[RequestRecord, torch.Tensor | None]:
-        record = RequestRecord(system.name, request.request_id, request.warmup, request.group, request.turn)
+        record = RequestRecord.for_request(system.name, request)
         slot = self.engines[system.engine_key]
         if slot.llm is None:
             record.error = slot.error
@@ -250,7 +250,7 @@ class _Run:
         record.token_ids = list(output.token_ids)
         record.text = output.text
         if request.answers and self.tokenizer is not None:
-            record.correct = is_correct(output.text, request.answers)
+            record.correct = is_correct(output.text, request.answers, at_start=request.answer_at_start)
         return record, output.first_logits
 
     def check_evictions(self) -> None:

@@ -19,11 +19,13 @@ from kvsplice.model_config import ModelConfig
 
 
 class LayerObserver(Protocol):
-    """Watches the new K/V of a pass's queries on `layers`, before they are written to the pool."""
+    """Watches the queries and new K/V of a pass on `layers`, before the K/V are written to the pool."""
 
     layers: frozenset[int]
 
-    def observe(self, layer: int, ctx: ForwardContext, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def observe(
+        self, layer: int, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None: ...
 
 
 class ForwardContext:
@@ -58,7 +60,7 @@ class ForwardContext:
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, T, Hq, D], k, v: [B, T, Hkv, D] (after RoPE) -> [B, T, Hq, D]."""
         if self.observer is not None and layer in self.observer.layers:
-            self.observer.observe(layer, self, k, v)
+            self.observer.observe(layer, self, q, k, v)
         self.pool.write(layer, self.write_slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
         keys, values = self.pool.read(layer, self.key_slots)  # [B, S, Hkv, D]
         return attend(

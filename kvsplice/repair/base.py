@@ -3,9 +3,11 @@ positions and never writes KV: the runner does the work.
 
 A policy decides either at once, from the plan alone (`RepairDecision.recompute`), or after a probe:
 the runner first computes the probe's positions (with every computed token) through layers
-0..`last_layer` while the policy's `LayerObserver` watches their new K/V; then `choose` picks, from
-what it saw, at most `budget` of the probed positions, which alone continue through the remaining
-layers (CacheBlend's selection by KV deviation is such a policy).
+0..`last_layer` while the policy's `LayerObserver` watches them; then `choose` picks, from what it
+saw, at most `budget` spliced positions to recompute. With `resume`, the chosen (a subset of the
+probed) continue through the remaining layers from where the probe left them (CacheBlend's selection
+by KV deviation); without, they and the computed tokens run again from the first layer (a probe of
+the question's attention, which recomputes no spliced token itself).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvsplice.kv.context import LayerObserver
+from kvsplice.model_config import ModelConfig
 from kvsplice.reuse.plan import Plan
 
 
@@ -24,6 +27,8 @@ class RepairTask:
     # At most this many spliced tokens may be recomputed (after a probe, at most this many continue).
     budget: int
     num_layers: int
+    # The model, for policies whose choice depends on its layers (None in model-free tests).
+    model: ModelConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,9 @@ class Probe:
     positions: tuple[int, ...]
     last_layer: int
     observer: LayerObserver
+    # The chosen tokens and the computed ones resume from the probe's hidden states after last_layer
+    # (the chosen must then be among the probed positions); else they start again from layer 0.
+    resume: bool = True
 
 
 @dataclass(frozen=True)

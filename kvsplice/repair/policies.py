@@ -56,7 +56,9 @@ class DeviationObserver:
         self._probed = torch.zeros(length, dtype=torch.bool)
         self._probed[list(positions)] = True
 
-    def observe(self, layer: int, ctx: ForwardContext, k: torch.Tensor, v: torch.Tensor) -> None:
+    def observe(
+        self, layer: int, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """k, v: [1, T, Hkv, D], the new K/V of the pass's queries on `layer`, not yet written."""
         positions = ctx.positions[0].cpu()
         rows = self._probed[positions].nonzero().squeeze(1)  # [C] queries that are probed

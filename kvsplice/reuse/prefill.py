@@ -58,8 +58,12 @@ class RepairRun:
         if probe is None or self.recomputed is not None:
             return None
         chosen = self.policy.choose(self.task, probe)
-        assert set(chosen) <= set(probe.positions) and len(chosen) <= self.task.budget
+        assert len(chosen) <= self.task.budget
         self.recomputed = chosen
+        if not probe.resume:
+            assert set(chosen) <= set(self.task.plan.positions(SpanKind.SPLICED))
+            return Pass(_union(self._compute, chosen), range(self.task.num_layers))
+        assert set(chosen) <= set(probe.positions)
         if probe.last_layer + 1 == self.task.num_layers:
             return None
         return Pass(_union(self._compute, chosen), range(probe.last_layer + 1, self.task.num_layers))
@@ -130,7 +134,9 @@ class ReusePath:
             assert spliced.segment is not None
             self._place(block_table, spliced, entries[spliced.segment])
         budget = budget_tokens(plan.tokens(SpanKind.SPLICED), settings.ratio, settings.tokens)
-        run = RepairRun(make_policy(settings.policy), RepairTask(plan, budget, self.runner.num_layers))
+        run = RepairRun(
+            make_policy(settings.policy), RepairTask(plan, budget, self.runner.num_layers, self.runner.cfg)
+        )
         work = PrefillWork(
             block_table,
             prompt.token_ids,

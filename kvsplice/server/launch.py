@@ -18,8 +18,8 @@ from kvsplice.server.config import ServerConfig
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Load the model, then serve until interrupted."""
-    print(f"kvsplice: {engine_config.describe_threads()}", file=sys.stderr, flush=True)
     engine = Engine(engine_config)
+    print(f"kvsplice: {engine_config.describe_threads()}", file=sys.stderr, flush=True)
     app = build_app(engine, server_config)
     uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level)
 

@@ -1,0 +1,87 @@
+"""Query-aware repair: the prompt's question decides which reused tokens are worth recomputing.
+
+The tokens after the last reused segment (the question, the answer prefix) are what the answer is
+computed from. A probe pass computes every computed token (not one reused token) through the layers
+up to the first global-attention layer, over the moved, unrepaired KV, and watches how much attention
+the question's tokens pay to each reused token on the global layers of the probe. The reused tokens
+they attend to most are recomputed, through every layer, with the computed tokens, from the first
+layer again. The probe costs a fraction of the layers for the computed tokens only (on a warm
+request, the instruction and the question); the question sees every reused token there because the
+global layers have no window (on a sliding-window layer it would see only the last `window`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsplice.kv.context import ForwardContext
+from kvsplice.model_config import ModelConfig
+from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask
+from kvsplice.reuse.plan import SpanKind
+
+
+class QueryAttentionObserver:
+    """Sums, per key position, the attention probability the watched queries give it."""
+
+    def __init__(self, queries: tuple[int, ...], layers: frozenset[int], length: int, scale: float) -> None:
+        self.layers = layers
+        self.scale = scale
+        self.score = torch.zeros(length)  # [prompt tokens]
+        self._watched = torch.zeros(length, dtype=torch.bool)
+        self._watched[list(queries)] = True
+
+    def observe(
+        self, layer: int, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """q, k: [1, T, Hq|Hkv, D] after RoPE; k is not written yet, so the chunk's own keys are taken from
+        it and every earlier key from the pool: the scores do not depend on how the pass is chunked."""
+        positions = ctx.positions[0]
+        rows = self._watched[positions.cpu()].nonzero().squeeze(1).to(q.device)
+        if rows.numel() == 0:
+            return
+        n = int(positions[-1]) + 1
+        # Keys are laid out by position (models/runner.py): key index p holds position p.
+        keys, _ = ctx.pool.read(layer, ctx.key_slots[0, :n])  # [n, Hkv, D]
+        keys = keys.to(q.dtype).clone()
+        keys[positions] = k[0]
+        queries = q[0, rows]  # [Tq, Hq, D]
+        group = queries.shape[1] // keys.shape[1]
+        keys = keys.repeat_interleave(group, dim=1)  # [n, Hq, D]
+        logits = torch.einsum("thd,shd->hts", queries, keys) * self.scale  # [Hq, Tq, n]
+        visible = torch.arange(n, device=q.device)[None, :] <= positions[rows][:, None]  # [Tq, n]
+        mass = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))  # [n]
+        self.score[:n] += mass.float().cpu()
+
+
+def probe_layers(cfg: ModelConfig) -> frozenset[int]:
+    """The global-attention layers up to and including the first one after layer 0 (every layer up to
+    layer 1 on a model without sliding windows)."""
+    global_layers = [i for i in range(cfg.num_layers) if cfg.window(i) is None]
+    later = [i for i in global_layers if i >= 1] or [cfg.num_layers - 1]
+    return frozenset(i for i in global_layers if i <= later[0]) | {later[0]}
+
+
+class QueryRepair(RepairPolicy):
+    """Recompute the reused tokens the question attends to most (kvsplice's query-aware policy)."""
+
+    name = "query"
+
+    def decide(self, task: RepairTask) -> RepairDecision:
+        plan = task.plan
+        spliced = plan.positions(SpanKind.SPLICED)
+        if not spliced or task.budget <= 0:
+            return RepairDecision()
+        if task.budget >= len(spliced):
+            return RepairDecision(tuple(spliced))
+        assert task.model is not None, "the query policy needs the model's layer types"
+        question = tuple(p for p in plan.positions(SpanKind.COMPUTE) if p > spliced[-1])
+        layers = probe_layers(task.model)
+        observer = QueryAttentionObserver(question, layers, plan.num_tokens, task.model.attn_scale)
+        return RepairDecision(probe=Probe((), max(layers), observer, resume=False))
+
+    def choose(self, task: RepairTask, probe: Probe) -> tuple[int, ...]:
+        assert isinstance(probe.observer, QueryAttentionObserver)
+        spliced = torch.tensor(task.plan.positions(SpanKind.SPLICED))
+        score = probe.observer.score[spliced]
+        top = torch.topk(score, min(task.budget, len(spliced))).indices
+        return tuple(sorted(spliced[top].tolist()))
