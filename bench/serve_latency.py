@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import platform
 import statistics
@@ -119,7 +120,7 @@ async def measure(url: str, m: Measured, long_ids: list[int], args: argparse.Nam
     stop.set()
     await asyncio.gather(*streams)
     for times in arrivals:
-        for a, b in zip(times, times[1:], strict=False):
+        for a, b in itertools.pairwise(times):
             if idle_start <= a and b <= long_start:
                 m.idle_itl.append(b - a)
             elif long_start <= a and b <= long_end:
@@ -186,7 +187,9 @@ def main() -> None:
     tokenizer = Tokenizer.from_dir(convert_gguf(default_model_path()))
     text = (resources.files("kvsplice") / "data" / "segment_context.txt").read_text()
     ids = tokenizer.encode(text)
-    long_ids = [tokenizer.bos_token_id or 2, *(ids * (1 + args.prompt_tokens // len(ids)))][: args.prompt_tokens]
+    long_ids = [tokenizer.bos_token_id or 2, *(ids * (1 + args.prompt_tokens // len(ids)))][
+        : args.prompt_tokens
+    ]
     whole = str(args.prompt_tokens + 64)
     rows = [
         run("chunked", [], long_ids, args),
