@@ -153,8 +153,8 @@ def report(rows: list[Measured], args: argparse.Namespace, prompt_tokens: int) -
         f"idle decoding, a 5-token request {args.short_after:g} s after it. Load average after each run "
         "is listed: other processes on the machine slow both alike only roughly.",
         "",
-        "| configuration | budget | idle ITL p50 | ITL p50 during prefill | ITL p99 during prefill | p99 / idle p50 "
-        "| short request TTFT | long prefill | throughput (tokens/s) | load after |",
+        "| configuration | budget | idle ITL p50 | ITL p50 during prefill | ITL p99 during prefill "
+        "| p99 / idle p50 | short request TTFT | long prefill | throughput (tokens/s) | load after |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for m in rows:
@@ -193,7 +193,8 @@ def main() -> None:
     whole = str(args.prompt_tokens + 64)
     rows = [
         run("chunked", [], long_ids, args),
-        run("unchunked", ["--max-num-batched-tokens", whole, "--long-prefill-token-threshold", whole], long_ids, args),
+        run("unchunked", ["--max-num-batched-tokens", whole, "--long-prefill-token-threshold", whole],
+            long_ids, args),
     ]  # fmt: skip
     text = report(rows, args, len(long_ids))
     print(text)
