@@ -102,8 +102,8 @@ class EngineConfig:
     @property
     def threads(self) -> int:
         """Torch's intra-op threads: num_threads, or half the CPUs this process may use (at least 1).
-        Measured on the 2-core machine: with torch's default (every core) time to first token was
-        3-40x worse than with one thread while another process ran (bench/results/threads.md)."""
+        Reported on the 2-core machine: with torch's default (every core) time to first token was
+        3-40x worse than with one thread while another process ran (issue 10; not re-measured here)."""
         if self.num_threads is not None:
             return self.num_threads
         return max(1, len(os.sched_getaffinity(0)) // 2)
