@@ -21,19 +21,16 @@ import argparse
 import asyncio
 import os
 import platform
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import openai
 import torch
 
 from kvsplice.bench.results import cpu_name
+from kvsplice.bench.server_process import serve
 
 RESULT = Path(__file__).parent / "results" / "serve_concurrency.md"
 TOPICS = ["rivers", "mountains", "deserts", "oceans", "forests", "volcanoes", "glaciers", "islands",
@@ -54,32 +51,6 @@ class Phase:
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.seconds
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(port: int, threads: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "kvsplice.cli", "serve", "--port", str(port), "--log-level", "warning"]
-    command += ["--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", str(args.max_num_seqs)]
-    if threads:
-        command += ["--num-threads", str(threads)]
-    process = subprocess.Popen(command)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("the server did not become healthy")
 
 
 async def run_phase(
@@ -211,13 +182,9 @@ def main() -> None:
     results = {}
     for threads in args.num_threads:
         print(f"torch threads: {threads or 'default'}", flush=True)
-        port = free_port()
-        server = start_server(port, threads, args)
-        try:
-            results[threads] = asyncio.run(bench(f"http://127.0.0.1:{port}", args))
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+        flags = ["--kv-cache-gb", str(args.kv_cache_gb), "--max-num-seqs", str(args.max_num_seqs)]
+        with serve(flags + (["--num-threads", str(threads)] if threads else [])) as url:
+            results[threads] = asyncio.run(bench(url, args))
     text = report(results, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -24,18 +24,17 @@ import itertools
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-import httpx
 import openai
 import torch
 
 from kvsplice.bench.results import cpu_name, load_average
+from kvsplice.bench.server_process import serve
 from kvsplice.loader.gguf import convert_gguf, default_model_path
 from kvsplice.loader.tokenizer import Tokenizer
 
@@ -57,24 +56,6 @@ class Measured:
     @property
     def throughput(self) -> float:
         return self.window_tokens / self.long_prefill_s
-
-
-def start_server(port: int, extra: list[str], args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "kvsplice.cli", "serve", "--port", str(port), "--log-level", "warning"]
-    command += ["--kv-cache-gb", str(args.kv_cache_gb), "--num-threads", str(args.num_threads), *extra]
-    process = subprocess.Popen(command)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("the server did not start in 300 s")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -130,14 +111,10 @@ async def measure(url: str, m: Measured, long_ids: list[int], args: argparse.Nam
 
 
 def run(name: str, extra: list[str], long_ids: list[int], args: argparse.Namespace) -> Measured:
-    port = 8700 + len(name)
-    process = start_server(port, extra, args)
     m = Measured(name, " ".join(extra) or "default")
-    try:
-        asyncio.run(measure(f"http://127.0.0.1:{port}", m, long_ids, args))
-    finally:
-        process.terminate()
-        process.wait()
+    flags = ["--kv-cache-gb", str(args.kv_cache_gb), "--num-threads", str(args.num_threads), *extra]
+    with serve(flags) as url:
+        asyncio.run(measure(url, m, long_ids, args))
     m.load = load_average()
     return m
 
