@@ -169,10 +169,10 @@ def test_system_names_expand_without_pointless_duplicates() -> None:
         "splice:deviation@15",
     ]
     assert parse_systems(["splice:full"])[1].recompute_ratio == 1.0
-    default = [s.name for s in default_systems("rag")]
+    default = [s.name for s in default_systems()]
     assert default == ["off", "hash", "radix", "splice:none@0", *(f"splice:{p}@15" for p in between)]
-    assert {s.engine_key for s in default_systems("rag")} == {"off", "hash", "radix", "splice"}
-    assert len({s.cache_salt for s in default_systems("chat") if s.splices}) == 1 + len(between)
+    assert {s.engine_key for s in default_systems()} == {"off", "hash", "radix", "splice"}
+    assert len({s.cache_salt for s in default_systems() if s.splices}) == 1 + len(between)
     sweep = parse_systems(["splice"], SWEEP_BUDGETS)
     assert len(sweep) == 1 + 2 + len(between) * 4
     for bad in ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150"):

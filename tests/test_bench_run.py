@@ -35,7 +35,7 @@ def test_rag_side_by_side_on_a_tiny_model(tiny_dir: Path, tmp_path: Path) -> Non
     systems = result.systems
     n = len(systems)
     assert systems[:3] == ["off", "hash", "radix"] and "splice:full@100" in systems
-    assert {s.name for s in default_systems("rag")} < set(systems)
+    assert {s.name for s in default_systems()} < set(systems)
     warmups = {r.request_id for r in result.records if r.warmup}
     measured = {r.request_id for r in result.records if not r.warmup}
     assert len(measured) == 2 and warmups

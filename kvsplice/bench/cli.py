@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from kvsplice.bench.base import WorkloadSpec
-from kvsplice.bench.systems import DEFAULT_BUDGETS, DEFAULT_WORKLOAD_BUDGETS, default_budgets, parse_systems
+from kvsplice.bench.systems import DEFAULT_BUDGETS, DEFAULT_SYSTEMS, SWEEP_BUDGETS, parse_systems
 from kvsplice.bench.workloads import make_workload
 from kvsplice.errors import ConfigError
 
@@ -43,16 +43,15 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="off, hash, radix, splice (every policy and budget), splice:<policy>, "
         "splice:<policy>@<percent>; space- or comma-separated. off, the reference, always runs. "
-        "Default: off hash radix splice.",
+        f"Default: {' '.join(DEFAULT_SYSTEMS)}.",
     )
     parser.add_argument(
         "--budgets",
         nargs="+",
         default=None,
         help="repair budgets in percent of the reused segment tokens, for systems named without one "
-        f"(default: {' '.join(f'{b:g}' for b in DEFAULT_BUDGETS)}; "
-        + "; ".join(f"{w}: {' '.join(f'{b:g}' for b in bs)}" for w, bs in DEFAULT_WORKLOAD_BUDGETS.items())
-        + "; none runs at 0 only, full at 100 only)",
+        f"(default: {' '.join(f'{b:g}' for b in DEFAULT_BUDGETS)}; a sweep: "
+        f"{' '.join(f'{b:g}' for b in SWEEP_BUDGETS)}; none runs at 0 only, full at 100 only)",
     )
     sizes = parser.add_argument_group("workload sizes (defaults per workload)")
     sizes.add_argument(
@@ -86,8 +85,14 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
     run = parser.add_argument_group("run")
     run.add_argument("--out", type=Path, default=None, help="output directory (default: out/bench/WORKLOAD)")
     run.add_argument("--continuation", type=int, default=16, help="greedy tokens compared per request")
-    run.add_argument("--model", default=None, help="model directory or .gguf (default: Gemma 3 270M)")
-    run.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    run.add_argument(
+        "--model",
+        default=None,
+        help="model name (gemma3-270m, smollm2), directory or .gguf (default: gemma3-270m)",
+    )
+    run.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads (default: the engine's, half the CPUs)"
+    )
     run.add_argument("--dtype", default="float32")
     run.add_argument("--kv-dtype", default="float32")
     run.add_argument("--block-size", type=int, default=16)
@@ -133,7 +138,7 @@ def _bench(args: argparse.Namespace) -> None:
             raise ValueError("--continuation must be >= 1")
         # Bad names and sizes are the user's mistake: one line, before any model loads.
         workload = make_workload(args.workload, spec)
-        parse_systems(config.systems, budgets or default_budgets(args.workload))
+        parse_systems(config.systems, budgets or DEFAULT_BUDGETS)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from err
     result = run_bench(config, workload)

@@ -33,11 +33,11 @@ from kvsplice.bench.base import BenchRequest, Workload, WorkloadSpec
 from kvsplice.bench.metrics import RequestRecord, compare, is_correct, per_turn, summarize
 from kvsplice.bench.results import BenchResult, MachineInfo, ModelInfo, load_average
 from kvsplice.bench.systems import (
+    DEFAULT_BUDGETS,
     REFERENCE,
     SPLICE_ENGINE,
     System,
     WordHashEncoder,
-    default_budgets,
     default_systems,
     parse_systems,
     prompt_parts,
@@ -301,9 +301,9 @@ def run_bench(config: BenchConfig, workload: Workload | None = None) -> BenchRes
     t0 = time.perf_counter()
     workload = workload or make_workload(config.workload, config.spec)
     if config.systems:
-        systems = parse_systems(config.systems, config.budgets or default_budgets(workload.name))
+        systems = parse_systems(config.systems, config.budgets or DEFAULT_BUDGETS)
     else:
-        systems = default_systems(workload.name, config.budgets)
+        systems = default_systems(config.budgets)
     machine = MachineInfo.collect()
     run = _Run(config, workload, systems)
     # Engines set torch's thread count; record the count they run with.

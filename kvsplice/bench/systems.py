@@ -34,7 +34,6 @@ SPLICE_ENGINE = "splice"
 # The default systems of every workload: the prefix caches, naive reuse, and every approximate
 # repair policy at the default budget (full repair equals `off` and costs as much: --systems splice:full).
 DEFAULT_SYSTEMS = ("off", "hash", "radix", *(f"splice:{p}" for p in POLICY_NAMES if p != "full"))
-DEFAULT_WORKLOAD_BUDGETS: dict[str, tuple[float, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -116,12 +115,8 @@ def parse_systems(names: Sequence[str], budgets: Sequence[float] = DEFAULT_BUDGE
     return [reference, *systems.values()]
 
 
-def default_budgets(workload: str) -> tuple[float, ...]:
-    return DEFAULT_WORKLOAD_BUDGETS.get(workload, DEFAULT_BUDGETS)
-
-
-def default_systems(workload: str, budgets: Sequence[float] | None = None) -> list[System]:
-    return parse_systems(DEFAULT_SYSTEMS, default_budgets(workload) if budgets is None else budgets)
+def default_systems(budgets: Sequence[float] | None = None) -> list[System]:
+    return parse_systems(DEFAULT_SYSTEMS, DEFAULT_BUDGETS if budgets is None else budgets)
 
 
 def prompt_parts(
