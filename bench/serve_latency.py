@@ -65,13 +65,14 @@ def percentile(values: list[float], q: float) -> float:
 
 async def measure(url: str, m: Measured, long_ids: list[int], args: argparse.Namespace) -> None:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
+    model = (await client.models.list()).data[0].id
     salt = {"cache_salt": m.name}
     stop = asyncio.Event()
     arrivals: list[list[float]] = [[] for _ in range(STREAMS)]
 
     async def stream(i: int) -> None:
         response = await client.completions.create(
-            model="default", prompt=f"Stream {i}: a list of rivers of the world:", max_tokens=4000,
+            model=model, prompt=f"Stream {i}: a list of rivers of the world:", max_tokens=4000,
             temperature=0.0, stream=True, extra_body={"ignore_eos": True, **salt},
         )  # fmt: skip
         async for _ in response:
@@ -83,12 +84,15 @@ async def measure(url: str, m: Measured, long_ids: list[int], args: argparse.Nam
     async def one(prompt: list[int] | str) -> float:
         t0 = time.perf_counter()
         await client.completions.create(
-            model="default", prompt=prompt, max_tokens=1, temperature=0.0, extra_body=salt
+            model=model, prompt=prompt, max_tokens=1, temperature=0.0, extra_body=salt
         )
         return time.perf_counter() - t0
 
     streams = [asyncio.create_task(stream(i)) for i in range(STREAMS)]
     while min(len(a) for a in arrivals) < 3:
+        for task in streams:
+            if task.done():
+                task.result()  # a stream that ended early raises its error here
         await asyncio.sleep(0.05)
     idle_start = time.perf_counter()
     await asyncio.sleep(args.idle_s)
@@ -158,7 +162,7 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=4.0)
     parser.add_argument("--short-after", type=float, default=3.0)
     parser.add_argument("--num-threads", type=int, default=1)
-    parser.add_argument("--kv-cache-gb", type=float, default=1.5)
+    parser.add_argument("--kv-cache-gb", type=float, default=2.5)
     parser.add_argument("--out", type=Path, default=RESULT)
     args = parser.parse_args()
     tokenizer = Tokenizer.from_dir(convert_gguf(default_model_path()))

@@ -55,6 +55,11 @@ class EngineConfig:
     repair: str = _opt("repair policy for reused segments", default="recency")
     recompute_ratio: float = _opt("repair budget as a fraction of the reused segment tokens", default=0.15)
     recompute_tokens: int | None = _opt("repair budget in tokens (overrides the ratio)", default=None)
+    repair_target: float = _opt(
+        "quality target of the adaptive repair policy: it stops when another round of repair moves the "
+        "next-token distribution by at most this KL (nats)",
+        default=0.05,
+    )
     segment_context_tokens: int | None = _opt(
         "length of the canonical context stored segments are computed after "
         "(default: the model's sliding window + 64, or 256)",
@@ -91,6 +96,7 @@ class EngineConfig:
         _check(self.max_waiting >= 0, "max_waiting must be >= 0")
         _check(0.0 <= self.recompute_ratio <= 1.0, "recompute_ratio must be in [0, 1]")
         _check(self.recompute_tokens is None or self.recompute_tokens >= 0, "recompute_tokens must be >= 0")
+        _check(0.0 <= self.repair_target < float("inf"), "repair_target must be >= 0")
         _check(
             self.segment_context_tokens is None or self.segment_context_tokens >= 0,
             "segment_context_tokens must be >= 0",

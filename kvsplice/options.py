@@ -6,6 +6,7 @@ default from EngineConfig (`resolve`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -16,11 +17,13 @@ from kvsplice.repair.registry import POLICY_NAMES
 @dataclass(frozen=True)
 class RepairSettings:
     """The resolved repair of one request: policy name and budget (tokens, else a ratio of the reused
-    segment tokens). Hashable: segment keys tell requests with different settings apart by it."""
+    segment tokens), or the quality target of a policy without a budget (KL in nats). Hashable: segment
+    keys tell requests with different settings apart by it."""
 
     policy: str
     ratio: float
     tokens: int | None
+    target: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ class RequestOptions:
     repair: str | None = None
     recompute_ratio: float | None = None
     recompute_tokens: int | None = None
+    # The adaptive policy's quality target: the KL (nats) between successive rounds of repair.
+    repair_target: float | None = None
     # Tenant isolation: requests with different salts never share KV (prefix cache or segment store).
     cache_salt: str | None = None
 
@@ -42,15 +47,23 @@ class RequestOptions:
         tokens = self.recompute_tokens
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
             raise InvalidRequestError(f"recompute_tokens must be an integer >= 0, got {tokens!r}")
+        target = self.repair_target
+        if target is not None and (
+            isinstance(target, bool) or not isinstance(target, int | float) or not 0 <= target < math.inf
+        ):
+            raise InvalidRequestError(f"repair_target must be a number >= 0 (a KL in nats), got {target!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
 
-    def resolve(self, repair: str, recompute_ratio: float, recompute_tokens: int | None) -> RepairSettings:
+    def resolve(
+        self, repair: str, recompute_ratio: float, recompute_tokens: int | None, repair_target: float
+    ) -> RepairSettings:
         """The settings with the engine's defaults (EngineConfig's fields of the same names) filled in."""
         return RepairSettings(
             self.repair if self.repair is not None else repair,
             float(self.recompute_ratio if self.recompute_ratio is not None else recompute_ratio),
             self.recompute_tokens if self.recompute_tokens is not None else recompute_tokens,
+            float(self.repair_target if self.repair_target is not None else repair_target),
         )
 
     def namespace(self, model: str) -> Hashable:

@@ -154,15 +154,23 @@ def test_per_turn_rows() -> None:
 
 def test_system_names_expand_without_pointless_duplicates() -> None:
     names = [s.name for s in parse_systems(["hash,radix", "splice"], [0, 5, 10, 100])]
-    between = [p for p in POLICY_NAMES if p not in ("none", "full")]
+    between = [p for p in POLICY_NAMES if p not in ("none", "full", "adaptive")]
     assert names == [
         "off",
         "hash",
         "radix",
         "splice:none@0",
         *(f"splice:{p}@{b}" for p in between for b in (5, 10)),
+        "splice:adaptive",
         "splice:full@100",
     ]
+    # The adaptive policy's number is its quality target (a KL), not a budget.
+    adaptive = parse_systems(["splice:adaptive@0.02"])[1]
+    assert (
+        adaptive.target == 0.02
+        and adaptive.recompute_ratio is None
+        and adaptive.name == "splice:adaptive@0.02"
+    )
     assert {"boundary", "deviation"} <= set(between)
     assert [s.name for s in parse_systems(["splice:deviation@15", "splice:deviation@15.0"])] == [
         "off",
@@ -170,12 +178,14 @@ def test_system_names_expand_without_pointless_duplicates() -> None:
     ]
     assert parse_systems(["splice:full"])[1].recompute_ratio == 1.0
     default = [s.name for s in default_systems()]
-    assert default == ["off", "hash", "radix", "splice:none@0", *(f"splice:{p}@15" for p in between)]
+    assert default == [
+        "off", "hash", "radix", "splice:none@0", *(f"splice:{p}@15" for p in between), "splice:adaptive"
+    ]  # fmt: skip
     assert {s.engine_key for s in default_systems()} == {"off", "hash", "radix", "splice"}
-    assert len({s.cache_salt for s in default_systems() if s.splices}) == 1 + len(between)
+    assert len({s.cache_salt for s in default_systems() if s.splices}) == 2 + len(between)
     sweep = parse_systems(["splice"], SWEEP_BUDGETS)
-    assert len(sweep) == 1 + 2 + len(between) * 4
-    for bad in ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150"):
+    assert len(sweep) == 1 + 3 + len(between) * 4
+    for bad in ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150", "splice:adaptive@-1"):
         with pytest.raises(ValueError):
             parse_systems([bad])
 

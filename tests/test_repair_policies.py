@@ -70,7 +70,7 @@ def test_policies_choose_spliced_positions_within_budget(case, ratio, name) -> N
         assert set(decision.probe.positions) == set(spliced) and decision.probe.last_layer == 1
         assert isinstance(decision.probe.observer, DeviationObserver)
         decision.probe.observer.score = torch.rand(n)
-        chosen = policy.choose(task, decision.probe)
+        chosen = policy.choose(task, decision.probe, None)
         assert len(chosen) == budget and list(chosen) == sorted(set(chosen)) and set(chosen) <= set(spliced)
     else:
         assert len(decision.recompute) <= budget
@@ -96,7 +96,7 @@ def test_deviation_keeps_the_most_deviating_tokens() -> None:
     assert probe is not None and probe.positions == (1, 2, 3, 4)
     assert isinstance(probe.observer, DeviationObserver)
     probe.observer.score = torch.tensor([9.0, 0.1, 5.0, 0.2, 3.0, 9.0, 9.0, 9.0])  # only 1..4 are candidates
-    assert policy.choose(task, probe) == (2, 4)
+    assert policy.choose(task, probe, None) == (2, 4)
 
 
 @pytest.mark.parametrize(
@@ -123,4 +123,42 @@ def test_query_probes_the_question_and_recomputes_what_it_attends_to() -> None:
     # The question is what follows the last reused token.
     assert probe.observer._watched.nonzero().squeeze(1).tolist() == [9, 10, 11]
     probe.observer.score = torch.tensor([9.0, 9, 0.1, 3, 0.2, 9, 0.3, 0.4, 5, 9, 9, 9])
-    assert policy.choose(task, probe) == (3, 8)
+    assert policy.choose(task, probe, None) == (3, 8)
+
+
+def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_back() -> None:
+    from kvsplice.repair.adaptive import AdaptiveRepair, kl_divergence
+    from kvsplice.repair.query import QueryAttentionObserver
+    from tests.tiny_models import COMMON
+
+    cfg = ModelConfig.from_dict(
+        {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+    )
+    # 100 spliced tokens (positions 1..100) and a question (101..103); ranked by position, descending.
+    plan = make_plan(104, 1, [(1, 101, 0)])
+
+    def run(target: float, estimates: list[torch.Tensor]) -> list[tuple[int, ...]]:
+        task = RepairTask(plan, 100, num_layers=4, model=cfg, target=target)
+        policy = AdaptiveRepair()
+        probe = policy.decide(task).probe
+        assert probe is not None and probe.last_layer == 3 and not probe.resume
+        assert isinstance(probe.observer, QueryAttentionObserver)
+        probe.observer.score = torch.arange(104.0)
+        rounds = [policy.choose(task, probe, estimates[0])]
+        for logits in estimates[1:]:
+            more = policy.refine(task, logits)
+            if more is None:
+                break
+            rounds.append(more)
+        return rounds
+
+    a, b, c = torch.tensor([2.0, 0.0, 0.0]), torch.tensor([0.0, 2.0, 0.0]), torch.tensor([0.0, 2.0, 0.1])
+    assert kl_divergence(a, a) == pytest.approx(0.0, abs=1e-7) and kl_divergence(a, b) > 1.0
+    assert 0 < kl_divergence(c, b) < 0.01
+    # Converges: round 1 moved the answer (a -> b), round 2 barely (b -> c): stop after round 2.
+    rounds = run(0.01, [a, b, c, a, b])
+    assert rounds == [tuple(range(96, 101)), tuple(range(91, 96))]
+    # Never converges: 5, 10, 20, 40 tokens, then everything at once (a full prefill).
+    rounds = run(0.01, [a, b, a, b, a, b, a, b])
+    assert [len(r) for r in rounds] == [5, 5, 10, 20, 100]
+    assert rounds[-1] == tuple(range(1, 101))

@@ -72,3 +72,30 @@ def test_repair_brings_the_answer_distribution_closer(spliced: LLM, llm: LLM) ->
         for policy in ("none", "recency", "full")
     }
     assert kl["full"] < 1e-4 < kl["recency"] < kl["none"], kl
+
+
+def test_adaptive_repair_at_target_zero_falls_back_to_the_full_prefill(spliced: LLM, llm: LLM) -> None:
+    """A target no estimate can meet: the rounds run out at half the reused tokens, then every reused
+    token is recomputed at once, which is a full prefill."""
+    order = [2, 1, 0]
+    got = spliced.generate([_prompt(order)], PARAMS, RequestOptions(repair="adaptive", repair_target=0.0))[0]
+    want = llm.generate([_prompt(order, segments=False)], PARAMS)[0]
+    assert got.metrics.segment_hit_tokens > 0
+    assert got.metrics.recomputed_tokens == got.metrics.segment_hit_tokens
+    torch.testing.assert_close(got.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)
+    assert got.token_ids == want.token_ids
+
+
+def test_adaptive_repair_spends_by_its_target(spliced: LLM) -> None:
+    order = [0, 2, 1]
+    spent = {
+        target: spliced.generate(
+            [_prompt(order)], PARAMS, RequestOptions(repair="adaptive", repair_target=target)
+        )[0].metrics
+        for target in (1e9, 0.0)
+    }
+    loose, strict = spent[1e9], spent[0.0]
+    # A target every estimate meets stops after the first round: 5 % of the reused tokens, rounded up.
+    assert loose.recomputed_tokens == -(-loose.segment_hit_tokens * 5 // 100)
+    assert strict.recomputed_tokens == strict.segment_hit_tokens
+    assert loose.prefill_flops < strict.prefill_flops

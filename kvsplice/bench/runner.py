@@ -210,7 +210,10 @@ class _Run:
         try:
             prompt = prompt_parts(system, request, self.encode)
             options = RequestOptions(
-                repair=system.policy, recompute_ratio=system.recompute_ratio, cache_salt=system.cache_salt
+                repair=system.policy,
+                recompute_ratio=system.recompute_ratio,
+                repair_target=system.target,
+                cache_salt=system.cache_salt,
             )
             stored_before = engine.segment_store.stats.inserted_tokens
             request_id = engine.add_request(prompt, self.params, options)

@@ -5,6 +5,8 @@
     radix                   SGLang's radix-tree prefix cache; documents as plain text.
     splice:<policy>@<pct>   documents as `Segment`s, over the radix prefix cache, repaired by <policy>
                             with a budget of <pct>% of the reused segment tokens.
+    splice:adaptive@<kl>    the same, repaired by the adaptive policy, whose knob is a quality target:
+                            the KL (nats) at which it stops (default: the engine's repair_target).
 
 `splice` alone stands for every policy at every budget, `splice:<policy>` for one policy at every
 budget; `none` runs only at 0% and `full` only at 100% (anything else would duplicate them), and the
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from kvsplice.bench.base import BenchRequest, Doc
 from kvsplice.prompt import Part, Segment
-from kvsplice.repair.registry import POLICY_NAMES
+from kvsplice.repair.registry import POLICIES, POLICY_NAMES
 
 REFERENCE = "off"
 PREFIX_SYSTEMS = ("off", "hash", "radix")
@@ -41,9 +43,11 @@ class System:
     name: str
     # The prefix cache of the system's engine.
     prefix_cache: str
-    # Splicing systems: the repair policy and its budget in percent of the reused segment tokens.
+    # Splicing systems: the repair policy and its budget in percent of the reused segment tokens (or,
+    # for a policy without a budget, its quality target; None: the engine's default).
     policy: str | None = None
     budget_pct: float | None = None
+    target: float | None = None
 
     @property
     def splices(self) -> bool:
@@ -66,9 +70,19 @@ class System:
 def splice_system(policy: str, budget_pct: float) -> System:
     if policy not in POLICY_NAMES:
         raise ValueError(f"unknown repair policy {policy!r}; choose one of {POLICY_NAMES}")
+    if not POLICIES[policy].budgeted:
+        raise ValueError(f"{policy} takes a quality target, not a budget: splice:{policy}@<kl>")
     if not 0 <= budget_pct <= 100:
         raise ValueError(f"a budget is a percentage in [0, 100], got {budget_pct}")
     return System(f"splice:{policy}@{budget_pct:g}", "radix", policy, float(budget_pct))
+
+
+def target_system(policy: str, target: float | None) -> System:
+    """A splicing system whose policy stops at a quality target (a KL in nats) rather than a budget."""
+    if target is not None and not target >= 0:
+        raise ValueError(f"a quality target is a KL in nats, >= 0, got {target}")
+    name = f"splice:{policy}" + ("" if target is None else f"@{target:g}")
+    return System(name, "radix", policy, None, target)
 
 
 def policy_budgets(policy: str, budgets: Sequence[float]) -> list[float]:
@@ -89,10 +103,22 @@ def parse_systems(names: Sequence[str], budgets: Sequence[float] = DEFAULT_BUDGE
         if item in PREFIX_SYSTEMS:
             found = [System(item, item)]
         elif item == "splice":
-            found = [splice_system(p, b) for p in POLICY_NAMES for b in policy_budgets(p, budgets)]
+            found = [
+                splice_system(p, b) if POLICIES[p].budgeted else target_system(p, None)
+                for p in POLICY_NAMES
+                for b in (policy_budgets(p, budgets) if POLICIES[p].budgeted else [0.0])
+            ]
         elif item.startswith("splice:"):
             policy, _, budget = item.removeprefix("splice:").partition("@")
-            if budget:
+            if policy in POLICIES and not POLICIES[policy].budgeted:
+                try:
+                    target = float(budget) if budget else None
+                except ValueError:
+                    raise ValueError(
+                        f"bad target in {item!r}: a KL in nats, as in splice:{policy}@0.05"
+                    ) from None
+                found = [target_system(policy, target)]
+            elif budget:
                 try:
                     pct = float(budget.rstrip("%"))
                 except ValueError:

@@ -8,6 +8,10 @@ saw, at most `budget` spliced positions to recompute. With `resume`, the chosen 
 probed) continue through the remaining layers from where the probe left them (CacheBlend's selection
 by KV deviation); without, they and the computed tokens run again from the first layer (a probe of
 the question's attention, which recomputes no spliced token itself).
+
+After a pass through every layer a policy may `refine`: from the next-token logits that pass gave, ask
+for more spliced positions to recompute (with the computed tokens, from the first layer), round after
+round, until it returns None (the adaptive policy).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
+
+import torch
 
 from kvsplice.kv.context import LayerObserver
 from kvsplice.model_config import ModelConfig
@@ -29,6 +35,8 @@ class RepairTask:
     num_layers: int
     # The model, for policies whose choice depends on its layers (None in model-free tests).
     model: ModelConfig | None = None
+    # The quality target of a policy without a budget: the KL (nats) its repair converges to.
+    target: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -57,11 +65,20 @@ class RepairPolicy(ABC):
     name: ClassVar[str]
     # Whether the policy always leaves exact KV (recomputes every reused token).
     exact: ClassVar[bool] = False
+    # Whether the request's budget (ratio or tokens) bounds the policy; else it may recompute every
+    # reused token and stops by its quality target.
+    budgeted: ClassVar[bool] = True
 
     @abstractmethod
     def decide(self, task: RepairTask) -> RepairDecision:
         """Which of the plan's spliced positions to recompute (at most task.budget), or what to probe."""
 
-    def choose(self, task: RepairTask, probe: Probe) -> tuple[int, ...]:
-        """After the probe pass: at most task.budget of probe.positions, sorted, to finish computing."""
+    def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
+        """After the probe pass: at most task.budget of probe.positions, sorted, to finish computing.
+        `logits`: the last token's next-token logits [vocab] if the probe ran through every layer."""
         raise NotImplementedError(f"{self.name} does not probe")
+
+    def refine(self, task: RepairTask, logits: torch.Tensor) -> tuple[int, ...] | None:
+        """After a pass through every layer that gave `logits` [vocab]: more spliced positions (sorted)
+        to recompute from the first layer, or None: the repair is done."""
+        return None

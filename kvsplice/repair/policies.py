@@ -93,7 +93,7 @@ class DeviationRepair(RepairPolicy):
         observer = DeviationObserver(spliced, frozenset({last}), task.plan.num_tokens)
         return RepairDecision(probe=Probe(spliced, last, observer))
 
-    def choose(self, task: RepairTask, probe: Probe) -> tuple[int, ...]:
+    def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, DeviationObserver)
         candidates = torch.tensor(probe.positions)
         score = probe.observer.score[candidates]

@@ -79,7 +79,7 @@ class QueryRepair(RepairPolicy):
         observer = QueryAttentionObserver(question, layers, plan.num_tokens, task.model.attn_scale)
         return RepairDecision(probe=Probe((), max(layers), observer, resume=False))
 
-    def choose(self, task: RepairTask, probe: Probe) -> tuple[int, ...]:
+    def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, QueryAttentionObserver)
         spliced = torch.tensor(task.plan.positions(SpanKind.SPLICED))
         score = probe.observer.score[spliced]

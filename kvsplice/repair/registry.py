@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from kvsplice.repair.adaptive import AdaptiveRepair
 from kvsplice.repair.base import RepairPolicy
 from kvsplice.repair.policies import BoundaryRepair, DeviationRepair, FullRepair, NoRepair, RecencyRepair
 from kvsplice.repair.query import QueryRepair
 
 POLICIES: dict[str, type[RepairPolicy]] = {
     cls.name: cls
-    for cls in (NoRepair, BoundaryRepair, DeviationRepair, RecencyRepair, QueryRepair, FullRepair)
+    for cls in (
+        NoRepair,
+        BoundaryRepair,
+        DeviationRepair,
+        RecencyRepair,
+        QueryRepair,
+        AdaptiveRepair,
+        FullRepair,
+    )
 }
 POLICY_NAMES = tuple(POLICIES)
 

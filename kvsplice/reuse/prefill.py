@@ -53,11 +53,12 @@ class RepairRun:
                 _union(self._compute, probe.positions), range(probe.last_layer + 1), probe.observer
             )
 
-    def next_pass(self) -> Pass | None:
+    def next_pass(self, logits: torch.Tensor | None) -> Pass | None:
         probe = self.decision.probe
-        if probe is None or self.recomputed is not None:
-            return None
-        chosen = self.policy.choose(self.task, probe)
+        if self.recomputed is not None:
+            return self._refine(logits)
+        assert probe is not None
+        chosen = self.policy.choose(self.task, probe, logits)
         assert len(chosen) <= self.task.budget
         self.recomputed = chosen
         if not probe.resume:
@@ -67,6 +68,17 @@ class RepairRun:
         if probe.last_layer + 1 == self.task.num_layers:
             return None
         return Pass(_union(self._compute, chosen), range(probe.last_layer + 1, self.task.num_layers))
+
+    def _refine(self, logits: torch.Tensor | None) -> Pass | None:
+        """Another round of the policy's, after a pass through every layer."""
+        assert self.recomputed is not None
+        more = self.policy.refine(self.task, logits) if logits is not None else None
+        if not more:
+            return None
+        assert set(more) <= set(self.task.plan.positions(SpanKind.SPLICED))
+        self.recomputed = _union(self.recomputed, more)
+        assert len(self.recomputed) <= self.task.budget
+        return Pass(_union(self._compute, more), range(self.task.num_layers))
 
 
 @dataclass(frozen=True)
@@ -133,9 +145,11 @@ class ReusePath:
         for spliced in plan.spliced():
             assert spliced.segment is not None
             self._place(block_table, spliced, entries[spliced.segment])
-        budget = budget_tokens(plan.tokens(SpanKind.SPLICED), settings.ratio, settings.tokens)
+        policy = make_policy(settings.policy)
+        reused = plan.tokens(SpanKind.SPLICED)
+        budget = budget_tokens(reused, settings.ratio, settings.tokens) if policy.budgeted else reused
         run = RepairRun(
-            make_policy(settings.policy), RepairTask(plan, budget, self.runner.num_layers, self.runner.cfg)
+            policy, RepairTask(plan, budget, self.runner.num_layers, self.runner.cfg, settings.target)
         )
         work = PrefillWork(
             block_table,

@@ -36,10 +36,12 @@ class PrefillWork:
         num_layers: int,
         *,
         need_logits: bool,
-        next_pass: Callable[[], Pass | None] = lambda: None,
+        next_pass: Callable[[torch.Tensor | None], Pass | None] = lambda logits: None,
     ) -> None:
-        """`next_pass` is asked for the following pass each time one finishes; None ends the prefill.
-        With need_logits, the last pass must run through the last layer and end at the last token."""
+        """`next_pass` is asked for the following pass each time one finishes, given the logits [vocab]
+        the finished pass left if it ran through the last layer to the last token (else None); None ends
+        the prefill. With need_logits, the last pass must run through the last layer and end at the last
+        token."""
         self.block_table = block_table
         self.token_ids = token_ids
         self.num_layers = num_layers
@@ -101,7 +103,7 @@ class PrefillWork:
             self._carry = torch.cat(self._outputs)  # [queries of the pass, hidden]
             self._carry_rows = {p: i for i, p in enumerate(current.positions)}
         self._outputs = []
-        following = self._next_pass()
+        following = self._next_pass(result.logits)
         if following is not None:
             self._start(following)
             return None

@@ -50,6 +50,7 @@ class _Common(BaseModel):
     repair: str | None = None
     recompute_ratio: float | None = None
     recompute_tokens: int | None = None
+    repair_target: float | None = None
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
@@ -83,7 +84,9 @@ class _Common(BaseModel):
 
     def request_options(self) -> RequestOptions:
         """Raises InvalidRequestError for a bad value (a 400 for the client)."""
-        return RequestOptions(self.repair, self.recompute_ratio, self.recompute_tokens, self.cache_salt)
+        return RequestOptions(
+            self.repair, self.recompute_ratio, self.recompute_tokens, self.repair_target, self.cache_salt
+        )
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,262 @@
+"""Cold traffic: do new documents cost one prefill, and does store work delay anyone? (issue 14)
+
+Against real `kvsplice serve` processes (one per system), driven by the `openai` client:
+
+    off      no prefix cache, documents as plain text
+    radix    SGLang-style radix prefix cache, documents as plain text
+    splice   radix + documents as segments (`{"segment": ...}` prompt parts), default repair
+
+Two streams per system, each request carrying `--docs` MuSiQue passages and a question:
+  all-new      every document is one no earlier request carried;
+  half-recur   half of each request's documents come from the all-new stream (in a new order), half
+               are new.
+Each stream is sent back to back by one client, then (under a fresh cache salt, so nothing is
+shared with the first pass) by `--clients` concurrent clients. Per system and stream: prompt tokens
+computed per prompt token (from the usage extension: prompt - prefix hits - segment hits +
+recomputed), throughput (prompt tokens per second of wall time) and TTFT p50/p99 (first streamed
+token).
+
+Then, per system: a cold request (new documents, max_tokens=1) followed at once by a request with the
+same documents reordered, against the same reordered request sent to an idle engine: the TTFT a
+request has right after a cold one, over the idle one (the target: within 10 %).
+
+Run: python bench/cold_traffic.py   (about 20 minutes on 2 CPU cores; writes bench/results/...md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import torch
+
+from kvsplice.bench import corpus
+from kvsplice.bench.results import cpu_name, load_average
+from kvsplice.bench.server_process import serve
+
+RESULT = Path(__file__).parent / "results" / "cold_traffic.md"
+SYSTEMS = {
+    "off": ["--prefix-cache", "off"],
+    "radix": ["--prefix-cache", "radix"],
+    "splice": ["--prefix-cache", "radix"],
+}
+INSTRUCTION = "Read the documents below and answer the question.\n\n"
+QUESTION = "Question: Which of the documents above is the oldest?\nAnswer:"
+
+
+@dataclass
+class Sent:
+    ttft_s: float
+    prompt_tokens: int
+    computed_tokens: int
+
+
+@dataclass
+class Stream:
+    system: str
+    stream: str
+    clients: int
+    wall_s: float = 0.0
+    sent: list[Sent] = field(default_factory=list)
+
+    @property
+    def computed_share(self) -> float:
+        return sum(s.computed_tokens for s in self.sent) / sum(s.prompt_tokens for s in self.sent)
+
+    @property
+    def throughput(self) -> float:
+        return sum(s.prompt_tokens for s in self.sent) / self.wall_s
+
+    def ttft(self, q: float) -> float:
+        ordered = sorted(s.ttft_s for s in self.sent)
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def prompt(system: str, docs: list[str]) -> str | list[dict[str, str]]:
+    if system != "splice":
+        return INSTRUCTION + "".join(d + "\n\n" for d in docs) + QUESTION
+    parts = [{"text": INSTRUCTION}]
+    for doc in docs:
+        parts += [{"segment": doc}, {"text": "\n\n"}]
+    return [*parts, {"text": QUESTION}]
+
+
+def workload(args: argparse.Namespace) -> tuple[list[list[str]], list[list[str]], list[list[str]]]:
+    """The all-new stream, the half-recurring stream and the documents of the after-cold pairs."""
+    rng = random.Random(args.seed)
+    passages = [p for p in corpus.load("auto").passages if len(p.text.split()) >= 60]
+    texts = [f"{p.title}\n{corpus.trim(p.text, args.doc_words)}" for p in rng.sample(passages, len(passages))]
+    k, n = args.docs, args.requests
+    need = n * k + n * (k - k // 2) + args.pairs * k
+    assert len(texts) >= need, f"the corpus has {len(texts)} passages, the run needs {need}"
+    fresh = iter(texts)
+    new = [[next(fresh) for _ in range(k)] for _ in range(n)]
+    seen = [d for request in new for d in request]
+    half = []
+    for _ in range(n):
+        docs = rng.sample(seen, k // 2) + [next(fresh) for _ in range(k - k // 2)]
+        rng.shuffle(docs)
+        half.append(docs)
+    pairs = [[next(fresh) for _ in range(k)] for _ in range(args.pairs)]
+    return new, half, pairs
+
+
+async def send(
+    client: openai.AsyncOpenAI, model: str, system: str, docs: list[str], salt: str, max_tokens: int
+) -> Sent:
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    response = await client.completions.create(
+        model=model, prompt=prompt(system, docs), max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"cache_salt": salt, "ignore_eos": True},
+    )  # fmt: skip
+    async for chunk in response:
+        if ttft is None and chunk.choices:
+            ttft = time.perf_counter() - t0
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+    assert ttft is not None and usage is not None
+    reused = usage.get("prefix_hit_tokens", 0) + usage.get("segment_hit_tokens", 0)
+    computed = usage["prompt_tokens"] - reused + usage.get("recomputed_tokens", 0)
+    return Sent(ttft, usage["prompt_tokens"], computed)
+
+
+async def run_stream(
+    client: openai.AsyncOpenAI, model: str, system: str, name: str, requests: list[list[str]], clients: int,
+    salt: str, max_tokens: int,
+) -> Stream:  # fmt: skip
+    result = Stream(system, name, clients)
+    queue = list(enumerate(requests))
+
+    async def worker() -> None:
+        while queue:
+            _, docs = queue.pop(0)
+            result.sent.append(await send(client, model, system, docs, salt, max_tokens))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+async def after_cold(
+    client: openai.AsyncOpenAI, model: str, system: str, pairs: list[list[str]], salt: str
+) -> tuple[float, float]:
+    """Median TTFT of a reordered request sent right after a cold one, and sent to an idle engine."""
+    busy, idle = [], []
+    for i, docs in enumerate(pairs):
+        cold = asyncio.create_task(send(client, model, system, docs, f"{salt}-{i}", 1))
+        await asyncio.sleep(0.05)  # the cold request is in first
+        following = await send(client, model, system, docs[::-1], f"{salt}-{i}", 1)
+        await cold
+        busy.append(following.ttft_s)
+        await asyncio.sleep(2.0)
+        order = docs[1:] + docs[:1]
+        idle.append((await send(client, model, system, order, f"{salt}-{i}", 1)).ttft_s)
+    return statistics.median(busy), statistics.median(idle)
+
+
+Docs = list[list[str]]
+
+
+async def bench(
+    url: str, system: str, args: argparse.Namespace, new: Docs, half: Docs, pairs: Docs
+) -> tuple[list[Stream], tuple[float, float]]:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
+    model = (await client.models.list()).data[0].id
+    streams = []
+    for clients in (1, args.clients):
+        salt = f"{system}-{clients}"
+        streams.append(
+            await run_stream(client, model, system, "all-new", new, clients, salt, args.max_tokens)
+        )
+        streams.append(
+            await run_stream(client, model, system, "half-recur", half, clients, salt, args.max_tokens)
+        )
+        print(f"{system}: {clients} client(s) done", flush=True)
+    return streams, await after_cold(client, model, system, pairs, f"{system}-pairs")
+
+
+def report(
+    streams: list[Stream],
+    pairs: dict[str, tuple[float, float]],
+    args: argparse.Namespace,
+    loads: list[object],
+) -> str:
+    lines = [
+        "# Cold traffic: off, radix and splice side by side",
+        "",
+        f"Command: `python bench/cold_traffic.py {' '.join(sys.argv[1:])}`".rstrip(),
+        f"Machine: {cpu_name()}, {os.cpu_count()} CPUs; Python {platform.python_version()}, torch "
+        f"{torch.__version__}; each server with {args.num_threads} torch thread(s); default model; "
+        f"default repair. Load average after each system: {loads}.",
+        f"{args.requests} requests per stream, {args.docs} MuSiQue passages of at most "
+        f"{args.doc_words} words each, max_tokens={args.max_tokens}.",
+        "",
+        "| stream | clients | system | computed / prompt tokens | throughput (prompt tokens/s) | vs radix "
+        "| TTFT p50 | TTFT p99 | TTFT p50 vs radix |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    by_key = {(s.stream, s.clients, s.system): s for s in streams}
+    for s in streams:
+        if s.system != "off":
+            continue
+        for system in SYSTEMS:
+            row = by_key[(s.stream, s.clients, system)]
+            radix = by_key[(s.stream, s.clients, "radix")]
+            lines.append(
+                f"| {s.stream} | {s.clients} | {system} | {row.computed_share:.2f} | {row.throughput:.0f} "
+                f"| {row.throughput / radix.throughput:.2f}x | {row.ttft(0.5):.2f} s "
+                f"| {row.ttft(0.99):.2f} s | {row.ttft(0.5) / radix.ttft(0.5):.2f}x |"
+            )
+    lines += [
+        "",
+        f"A request with the documents of a cold request, reordered (median TTFT over {args.pairs} pairs):",
+        "",
+        "| system | right after the cold request | on an idle engine | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for system, (busy, idle) in pairs.items():
+        lines.append(f"| {system} | {busy:.2f} s | {idle:.2f} s | {busy / idle:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--docs", type=int, default=6)
+    parser.add_argument("--doc-words", type=int, default=180)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--kv-cache-gb", type=float, default=3.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULT)
+    args = parser.parse_args()
+    new, half, pairs = workload(args)
+    streams: list[Stream] = []
+    after: dict[str, tuple[float, float]] = {}
+    loads: list[object] = []
+    for system, flags in SYSTEMS.items():
+        flags = [*flags, "--kv-cache-gb", str(args.kv_cache_gb), "--num-threads", str(args.num_threads)]
+        with serve(flags) as url:
+            got, after[system] = asyncio.run(bench(url, system, args, new, half, pairs))
+        streams += got
+        loads.append(load_average())
+    text = report(streams, after, args, loads)
+    print(text)
+    args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Adaptive repair: the budget is chosen per request, by how much more repair still changes the answer.
+
+Its knob is a quality target, not a ratio: `target`, a KL divergence (nats) between the next-token
+distributions of two successive rounds of repair. The rounds:
+
+  0. the computed tokens (the question) run through every layer over the moved, unrepaired KV,
+     while the question's attention on the global probe layers ranks the reused tokens (the query
+     policy's signal); their next-token distribution is the first estimate;
+  1. the top `FIRST_SHARE` of the ranked reused tokens are recomputed, from the first layer, with the
+     computed tokens: a second estimate;
+  2. ... each later round doubles the recomputed share with the next-ranked tokens, until two
+     successive estimates differ by at most `target`.
+
+A repair that has not converged by `FALLBACK_SHARE` of the reused tokens is not trusted: the last
+round recomputes every reused token at once, which equals a full prefill (the few-shot case, where
+the question depends on every example). Successive estimates converging is evidence, not proof, that
+the answer is close to a full prefill's; the bench measures how close (kvsplice bench recall).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask
+from kvsplice.repair.query import QueryAttentionObserver, probe_layers
+from kvsplice.reuse.plan import SpanKind
+
+FIRST_SHARE = 0.05
+# Beyond this share a spliced prefill saves at most half of a full one's work, and a repair that is
+# still moving the answer there is not close to converging: pay for the full prefill instead.
+FALLBACK_SHARE = 0.5
+
+
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(p || q) in nats between the softmax distributions of two logit vectors [vocab]."""
+    p_log = torch.log_softmax(p_logits.float(), dim=-1)
+    q_log = torch.log_softmax(q_logits.float(), dim=-1)
+    return float((p_log.exp() * (p_log - q_log)).sum())
+
+
+class AdaptiveRepair(RepairPolicy):
+    """Recompute query-ranked reused tokens in doubling rounds until the answer stops moving."""
+
+    name = "adaptive"
+    budgeted = False
+
+    def __init__(self) -> None:
+        # Spliced positions, most attended first; the share recomputed so far; the last estimate.
+        self._ranked: list[int] = []
+        self._taken = 0
+        self._last: torch.Tensor | None = None
+
+    def decide(self, task: RepairTask) -> RepairDecision:
+        plan = task.plan
+        spliced = plan.positions(SpanKind.SPLICED)
+        if not spliced:
+            return RepairDecision()
+        assert task.model is not None, "the adaptive policy needs the model's layer types"
+        question = tuple(p for p in plan.positions(SpanKind.COMPUTE) if p > spliced[-1])
+        layers = probe_layers(task.model)
+        observer = QueryAttentionObserver(question, layers, plan.num_tokens, task.model.attn_scale)
+        return RepairDecision(probe=Probe((), task.num_layers - 1, observer, resume=False))
+
+    def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
+        assert isinstance(probe.observer, QueryAttentionObserver) and logits is not None
+        spliced = torch.tensor(task.plan.positions(SpanKind.SPLICED))
+        order = torch.argsort(probe.observer.score[spliced], descending=True, stable=True)
+        self._ranked = spliced[order].tolist()
+        self._last = logits
+        return self._take(max(1, math.ceil(FIRST_SHARE * len(self._ranked))))
+
+    def refine(self, task: RepairTask, logits: torch.Tensor) -> tuple[int, ...] | None:
+        total = len(self._ranked)
+        if self._last is None or self._taken == total or kl_divergence(logits, self._last) <= task.target:
+            # (No estimate yet: nothing was spliced, so there was no probe.)
+            return None
+        self._last = logits
+        if 2 * self._taken > FALLBACK_SHARE * total:
+            self._taken = total
+            return tuple(sorted(self._ranked))
+        return self._take(min(total, 2 * self._taken) - self._taken)
+
+    def _take(self, count: int) -> tuple[int, ...]:
+        chosen = self._ranked[self._taken : self._taken + count]
+        self._taken += count
+        return tuple(sorted(chosen))
