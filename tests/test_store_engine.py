@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from kvsplice import LLM, SamplingParams, Segment
+from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.store import router_block_hashes, segment_hash
 from tests import tiny_models
@@ -79,9 +80,7 @@ def test_a_segment_outlives_its_engine_on_disk(model_dir: Path, tmp_path: Path) 
     assert cold.metrics.segment_hit_tokens == 0
 
 
-def test_another_salt_or_model_never_reads_an_entry(model_dir: Path, tmp_path: Path) -> None:
-    from kvsplice.options import RequestOptions
-
+def test_another_salt_or_dtype_never_reads_an_entry(model_dir: Path, tmp_path: Path) -> None:
     store = str(tmp_path / "store")
     a = make_llm(model_dir, store_dir=store)
     a.generate([prompt([2])], GREEDY, RequestOptions(cache_salt="tenant-a"))
@@ -93,7 +92,8 @@ def test_another_salt_or_model_never_reads_an_entry(model_dir: Path, tmp_path: P
     assert same.metrics.store_hit_tokens == {"disk": len(DOCS[2])}
     # Another KV dtype is another fingerprint: another key, never a hit.
     c = make_llm(model_dir, store_dir=store, kv_dtype="bfloat16")
-    assert c.generate([prompt([2])], GREEDY, RequestOptions(cache_salt="tenant-a"))[0].metrics.segment_hit_tokens == 0
+    other_dtype = c.generate([prompt([2])], GREEDY, RequestOptions(cache_salt="tenant-a"))[0]
+    assert other_dtype.metrics.segment_hit_tokens == 0
 
 
 def test_a_corrupt_entry_is_deleted_counted_and_recomputed(model_dir: Path, tmp_path: Path) -> None:
