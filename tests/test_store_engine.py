@@ -179,3 +179,34 @@ def test_kv_events_name_the_blocks_and_segments_the_caches_hold(model_dir: Path,
     hashes = [h for e in stored for h in e[1]]
     assert hashes[: len(want)] == want
     assert stored[0][2] is None and stored[0][4] == 8
+
+
+@pytest.mark.parametrize("prefix_cache", ["radix", "hash"])
+def test_kv_events_remove_only_what_they_stored(model_dir: Path, tmp_path: Path, prefix_cache: str) -> None:
+    endpoint = f"ipc://{tmp_path}/events"
+    # A pool of ~30 blocks: the prefix cache and the segment store evict each other's entries.
+    llm = make_llm(model_dir, prefix_cache=prefix_cache, kv_cache_gb=0.00025, kv_events_endpoint=endpoint)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.3)
+    for order in ([0, 1], [2, 3], [1, 0], [4, 5], [3, 2], [6, 7], [0, 7]):
+        run(llm, order)
+    llm.close()
+    live: dict[str, list[int]] = {"block": [], "segment": []}
+    removed = {"block": 0, "segment": 0}
+    while sub.poll(2000):
+        _, _, payload = sub.recv_multipart()
+        for event in decode_batch(payload)[1]:
+            if event[0] == "BlockStored":
+                live["block"] += event[1]
+            elif event[0] == "SegmentStored":
+                live["segment"].append(event[1])
+            else:
+                kind = "block" if event[0] == "BlockRemoved" else "segment"
+                for h in event[1] if kind == "block" else [event[1]]:
+                    live[kind].remove(h)  # raises if it was never stored
+                    removed[kind] += 1
+    sub.close()
+    assert removed["block"] > 0 and removed["segment"] > 0
+    assert len(live["segment"]) == len(llm.engine.segment_store)
