@@ -5,6 +5,7 @@ token-id prompts; every engine runs a real disk tier or a real redis-server."""
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
 from pathlib import Path
@@ -14,6 +15,8 @@ import torch
 import zmq
 
 from kvsplice import LLM, SamplingParams, Segment
+from kvsplice.config import EngineConfig
+from kvsplice.errors import ConfigError
 from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.store import router_block_hashes, segment_hash
@@ -52,6 +55,41 @@ def assert_same_output(got: RequestOutput, want: RequestOutput) -> None:
     assert got.token_ids == want.token_ids
     assert got.first_logits is not None and want.first_logits is not None
     torch.testing.assert_close(got.first_logits, want.first_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"store_url": "http://localhost:6379"},
+        {"store_dir": ""},
+        {"store_disk_gb": 0},
+        {"store_ttl_s": 0},
+        {"kv_events_endpoint": "localhost:5557"},
+        {"kv_events_replay_endpoint": "tcp://*:5558"},
+    ],
+)
+def test_bad_store_and_event_settings_are_config_errors(fields: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_the_flags_build_the_store_config() -> None:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_args(parser)
+    flags = ["--store-dir", "/tmp/s", "--store-disk-gb", "0.5", "--store-url", "redis://h:1/0"]
+    config = EngineConfig.from_args(parser.parse_args([*flags, "--store-ttl-s", "60"]))
+    store = config.store_config()
+    assert (store.store_dir, store.store_dir_bytes, store.store_url, store.store_ttl_s) == (
+        "/tmp/s", 2**29, "redis://h:1/0", 60,
+    )  # fmt: skip
+    assert config.kv_events_config() is None
+
+
+def test_an_unwritable_store_dir_fails_at_start_up(model_dir: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="store_dir"):
+        make_llm(model_dir, store_dir=str(blocker / "store"))
 
 
 def test_a_segment_outlives_its_engine_on_disk(model_dir: Path, tmp_path: Path) -> None:
