@@ -14,6 +14,8 @@ import torch
 from kvsplice.cache.registry import PREFIX_CACHE_NAMES
 from kvsplice.errors import ConfigError
 from kvsplice.repair.registry import POLICY_NAMES
+from kvsplice.store.config import StoreConfig
+from kvsplice.store.publisher import KVEventsConfig
 
 SEGMENT_KV = ("prompt", "canonical")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,6 +74,25 @@ class EngineConfig:
         default="prompt",
     )
     seed: int = _opt("seed for sampling when a request gives none", default=0)
+    store_dir: str | None = _opt(
+        "directory of the disk tier below the KV pool: segments' KV outlives the process (default: off)",
+        default=None,
+    )
+    store_disk_gb: float = _opt("byte budget of store_dir, in GiB (least recently used out)", default=8.0)
+    store_url: str | None = _opt(
+        "redis://host:port/db of a Redis or Valkey tier shared by replicas (default: off)", default=None
+    )
+    store_ttl_s: int | None = _opt(
+        "seconds a remote entry lives (default: until the server's maxmemory policy evicts it)", default=None
+    )
+    kv_events_endpoint: str | None = _opt(
+        "ZeroMQ address to publish KV events on in vLLM's format, e.g. tcp://*:5557 (default: off)",
+        default=None,
+    )
+    kv_events_replay_endpoint: str | None = _opt(
+        "ZeroMQ address of the KV events replay socket (default: no replay)", default=None
+    )
+    kv_events_topic: str = _opt("topic of KV event messages (llm-d reads kv@<pod>@<model>)", default="")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES or self.kv_dtype not in DTYPES:
@@ -104,6 +125,31 @@ class EngineConfig:
         _check(self.prefix_cache in PREFIX_CACHE_NAMES, f"prefix_cache must be one of {PREFIX_CACHE_NAMES}")
         _check(self.segment_kv in SEGMENT_KV, f"segment_kv must be one of {SEGMENT_KV}")
         _check(self.repair in POLICY_NAMES, f"repair must be one of {POLICY_NAMES}")
+        _check(self.store_disk_gb > 0, "store_disk_gb must be > 0")
+        # Both raise ConfigError for a bad field.
+        self.store_config()
+        self.kv_events_config()
+
+    def store_config(self) -> StoreConfig:
+        """The tiers below the pool (none when neither store_dir nor store_url is set)."""
+        return StoreConfig(
+            store_dir=self.store_dir,
+            store_dir_bytes=int(self.store_disk_gb * 2**30),
+            store_url=self.store_url,
+            store_ttl_s=self.store_ttl_s,
+        )
+
+    def kv_events_config(self) -> KVEventsConfig | None:
+        if self.kv_events_endpoint is None:
+            _check(
+                self.kv_events_replay_endpoint is None, "kv_events_replay_endpoint needs kv_events_endpoint"
+            )
+            return None
+        return KVEventsConfig(
+            endpoint=self.kv_events_endpoint,
+            replay_endpoint=self.kv_events_replay_endpoint,
+            topic=self.kv_events_topic,
+        )
 
     @property
     def threads(self) -> int:

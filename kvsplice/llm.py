@@ -55,6 +55,10 @@ class LLM:
                     done[step.request_id] = step.output
         return [done[i] for i in ids]
 
+    def close(self) -> None:
+        """Finish writing segments to the tiers below the pool and stop publishing KV events."""
+        self.engine.close()
+
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):

@@ -17,6 +17,10 @@ class RequestMetrics:
     prefix_hit_tokens: int = 0
     # KV reused from the segment store: moved to new positions, then repaired.
     segment_hit_tokens: int = 0
+    # Segment tokens this request loaded into the pool from a tier below it (disk, Redis), by tier,
+    # and the seconds spent loading them (before its prefill could start).
+    store_hit_tokens: dict[str, int] = field(default_factory=dict)
+    store_load_s: float = 0.0
     # Prompt tokens computed from scratch (the last prompt token always is).
     computed_tokens: int = 0
     # Reused segment tokens recomputed by the repair policy on (most) layers.

@@ -12,9 +12,9 @@ plain Python over a `BlockAllocator`: it never touches tensors. The engine calls
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from kvsplice.kv.allocator import BlockAllocator
 
@@ -57,6 +57,19 @@ class PrefixCacheStats:
     hits: int = 0
 
 
+class BlockListener(Protocol):
+    """Told when full blocks start or stop being cached (KV events for routers: store/recorder.py)."""
+
+    def blocks_stored(
+        self, namespace: Hashable, keys: Sequence[int], first: int, blocks: Sequence[int]
+    ) -> None:
+        """Blocks first .. first + len(blocks) - 1 of the path `keys` are now cached, whole; blocks[i]
+        holds block first + i, and `keys` runs at least to the end of the last one."""
+
+    def blocks_removed(self, blocks: Sequence[int]) -> None:
+        """These blocks, each reported stored before, are cached no more."""
+
+
 class PrefixCache(ABC):
     name: ClassVar[str]
 
@@ -64,6 +77,7 @@ class PrefixCache(ABC):
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.stats = PrefixCacheStats()
+        self.listener: BlockListener | None = None
 
     @abstractmethod
     def acquire(self, seq: CacheSeq) -> PrefixHit:

@@ -153,6 +153,9 @@ class HashChainCache(PrefixCache):
             # A duplicate (same prefix computed concurrently by another request) joins the same entry.
             self._blocks_by_hash.setdefault(block_hash, {})[block] = None
             self.allocator.set_evict_hook(block, self._evict)
+        if self.listener is not None and num_full > state.num_cached:
+            first = state.num_cached
+            self.listener.blocks_stored(seq.namespace, seq.keys, first, seq.block_table[first:num_full])
         state.num_cached = max(state.num_cached, num_full)
 
     def release(self, seq: CacheSeq) -> None:
@@ -180,6 +183,8 @@ class HashChainCache(PrefixCache):
         del blocks[block]
         if not blocks:
             del self._blocks_by_hash[block_hash]
+        if self.listener is not None:
+            self.listener.blocks_removed([block])
 
     def check_invariants(self) -> None:
         """The two maps mirror each other and every running request's chain is consistent (tests)."""

@@ -213,6 +213,11 @@ class RadixCache(PrefixCache):
         assert parent is not None
         if self._on_evict is not None:
             self._on_evict(self._eviction_event(leaf))
+        if self.listener is not None:
+            # The whole blocks that end inside the leaf: the ones its insertion reported stored.
+            whole = leaf.end // self.block_size - leaf.start // self.block_size
+            if whole > 0:
+                self.listener.blocks_removed(leaf.blocks[:whole])
         del parent.children[self._child_key(leaf.key, 0)]
         leaf.parent = None
         self._num_nodes -= 1
@@ -292,6 +297,9 @@ class RadixCache(PrefixCache):
         blocks = block_table[matched // block_size : (length - 1) // block_size + 1]
         leaf = _Node(tokens[matched:length], matched, blocks, node, now)
         self.allocator.incref(blocks)
+        first, end = matched // block_size, length // block_size
+        if self.listener is not None and end > first:
+            self.listener.blocks_stored(namespace, tokens[:length], first, block_table[first:end])
         node.children[self._child_key(leaf.key, 0)] = leaf
         self._num_nodes += 1
         self._num_tokens += len(leaf.key)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Protocol
 
 from kvsplice.kv.allocator import BlockAllocator
 from kvsplice.model_config import ModelConfig
@@ -53,6 +54,14 @@ class SegmentStoreStats:
     evictions: int = 0
 
 
+class SegmentListener(Protocol):
+    """Told when an entry enters or leaves the store (KV events: store/recorder.py)."""
+
+    def segment_stored(self, namespace: Hashable, tokens: tuple[int, ...]) -> None: ...
+
+    def segment_removed(self, namespace: Hashable, tokens: tuple[int, ...]) -> None: ...
+
+
 class SegmentStore:
     def __init__(self, allocator: BlockAllocator, context: tuple[int, ...]) -> None:
         """context: the canonical context every segment is computed after, a whole number of blocks."""
@@ -66,6 +75,7 @@ class SegmentStore:
         self._lru: list[tuple[float, int, tuple[Hashable, tuple[int, ...]]]] = []
         self._counter = 0
         self.stats = SegmentStoreStats()
+        self.listener: SegmentListener | None = None
         allocator.add_reclaimer(self)
 
     def __len__(self) -> int:
@@ -79,6 +89,10 @@ class SegmentStore:
     def contains(self, namespace: Hashable, tokens: tuple[int, ...]) -> bool:
         """Whether the store holds these tokens; changes nothing (no stats, no access time)."""
         return (namespace, tokens) in self._entries
+
+    def peek(self, namespace: Hashable, tokens: tuple[int, ...]) -> SegmentEntry | None:
+        """The stored entry, if any; changes nothing. Valid until the next allocation."""
+        return self._entries.get((namespace, tokens))
 
     def lookup(self, namespace: Hashable, tokens: tuple[int, ...]) -> SegmentEntry | None:
         """The stored entry for these tokens, refreshed as most recently used.
@@ -102,6 +116,8 @@ class SegmentStore:
         self._entries[key] = entry
         self.stats.inserted_tokens += len(tokens)
         self._touch(entry)
+        if self.listener is not None:
+            self.listener.segment_stored(namespace, tokens)
 
     def oldest_access(self) -> float | None:
         while self._lru:
@@ -118,6 +134,8 @@ class SegmentStore:
         entry = self._entries.pop(key)
         self.stats.evictions += 1
         self.allocator.decref(reversed(entry.blocks))
+        if self.listener is not None:
+            self.listener.segment_removed(*key)
 
     def clear(self) -> None:
         while self.oldest_access() is not None:

@@ -4,6 +4,10 @@ step():  admit waiting requests (scheduler), preparing each one's prefill (reuse
          batch = scheduler.schedule(): decode tokens + prefill chunks under the token budget
          run the decode batch and the chunks (runner); sample, append, finish (output processor)
          spend budget nobody needed on background work: filling the segment store
+         publish the step's KV events (when configured)
+
+Segments entering the pool's segment store are written through to the tiers below it (disk,
+Redis) in the background; a pool miss asks those tiers before computing (reuse/lower_tiers.py).
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ from kvsplice.models.runner import DecodeItem, ModelRunner
 from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.prompt import Prompt, parse_prompt
+from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
 from kvsplice.reuse.plan import SpanKind
 from kvsplice.reuse.prefill import Prefill, ReusePath
 from kvsplice.reuse.store_fill import StoreFill, capture_in_place
 from kvsplice.reuse.work import PrefillWork
 from kvsplice.sampling import SamplingParams, sample
+from kvsplice.store import KVEventPublisher, TieredStore
+from kvsplice.store.recorder import KVEventRecorder
 
 __all__ = ["Engine", "StepOutput"]
 
@@ -70,7 +77,19 @@ class Engine:
             self.tokenizer, self.model_config, config.block_size, config.segment_context_tokens
         )
         self.segment_store = SegmentStore(self.pool.allocator, context)
-        self.reuse = ReusePath(self.runner, self.pool, self.segment_store)
+        store_config = config.store_config()
+        self.lower: LowerTiers | None = None
+        if store_config.store_dir is not None or store_config.store_url is not None:
+            fingerprint = store_fingerprint(self.model_dir, self.model_config, config, context)
+            store = TieredStore.from_config(store_config, fingerprint)
+            self.lower = LowerTiers(store, self.segment_store, self.pool)
+        self.reuse = ReusePath(self.runner, self.pool, self.segment_store, self.lower)
+        events_config = config.kv_events_config()
+        self.events: KVEventRecorder | None = None
+        if events_config is not None:
+            self.events = KVEventRecorder(KVEventPublisher(events_config), config.block_size)
+            self.prefix_cache.listener = self.events
+            self.segment_store.listener = self.events
         self.blocks = BlockManager(
             self.pool, self.prefix_cache, self.max_model_len, self.model_config.vocab_size
         )
@@ -166,7 +185,17 @@ class Engine:
             outputs += self._prefill_chunk(request, tokens)
         if batch.background_tokens > 0:
             self._background(batch.background_tokens)
+        if self.events is not None:
+            self.events.flush()
         return outputs
+
+    def close(self) -> None:
+        """Finish the tiers' queued writes (a few seconds at most) and the queued KV events, then
+        release them. Requests still in the engine are not run."""
+        if self.lower is not None:
+            self.lower.close()
+        if self.events is not None:
+            self.events.close()
 
     def _prepare(self, request: Request) -> None:
         assert request.admission is not None
@@ -210,6 +239,9 @@ class Engine:
         m.computed_tokens = plan.tokens(SpanKind.COMPUTE)
         m.recomputed_tokens = prefill.recomputed
         m.prefill_flops = prefill.work.flops
+        for promoted in prefill.promoted:
+            m.store_hit_tokens[promoted.tier] = m.store_hit_tokens.get(promoted.tier, 0) + promoted.num_tokens
+            m.store_load_s += promoted.load_s
         if request.params.return_first_logits:
             request.first_logits = logits.clone()
         self._store_missed(request, prefill)
@@ -219,10 +251,12 @@ class Engine:
         store, runner = self.segment_store, self.runner
         for missed in prefill.missed:
             if self.config.segment_kv == "prompt":
-                capture_in_place(
+                captured = capture_in_place(
                     store, self.pool, runner.cfg, runner.freqs, request.namespace, missed.tokens,
                     request.seq.block_table, missed.start,
                 )  # fmt: skip
+                if captured and self.lower is not None:
+                    self.lower.write_through(request.namespace, missed.tokens)
             else:
                 self._fills.append(
                     StoreFill(store, self.pool, runner.num_layers, request.namespace, missed.tokens)
@@ -245,6 +279,8 @@ class Engine:
         if work.done:
             fill.finish()
             self._filling = None
+            if self.lower is not None:
+                self.lower.write_through(fill.namespace, fill.tokens)
 
     def _sampled(self, request: Request, logits: torch.Tensor) -> StepOutput:
         token = sample(logits, request.params, request.generator)

@@ -5,8 +5,10 @@
                            policy what to recompute: returns a `Prefill` (the plan, the work, and
                            what was decided once the work is done)
 
-Segments the store lacks are computed in place with the rest of the prompt (exact for this request)
-and listed in `Prefill.missed`, for the engine to store in the background.
+A segment the pool's store lacks is first asked of the tiers below it (disk, Redis: lower_tiers.py);
+a hit there is promoted into the pool's store and spliced like any other. Segments no tier holds are
+computed in place with the rest of the prompt (exact for this request) and listed in
+`Prefill.missed`, for the engine to store in the background.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvsplice.options import RepairSettings
 from kvsplice.prompt import ParsedPrompt
 from kvsplice.repair.base import RepairPolicy, RepairTask
 from kvsplice.repair.registry import budget_tokens, make_policy
+from kvsplice.reuse.lower_tiers import LowerTiers, Promotion
 from kvsplice.reuse.place import move_kv
 from kvsplice.reuse.plan import Plan, Span, SpanKind, make_plan
 from kvsplice.reuse.work import Pass, PrefillWork
@@ -97,6 +100,8 @@ class Prefill:
     repair: RepairRun
     # Each segment the store lacked and this prefill computes whole (none of it in the cached prefix).
     missed: tuple[MissedSegment, ...]
+    # Segments found below the pool and promoted into it for this prefill.
+    promoted: tuple[Promotion, ...] = ()
 
     @property
     def recomputed(self) -> int:
@@ -113,10 +118,13 @@ class Prefill:
 
 
 class ReusePath:
-    def __init__(self, runner: ModelRunner, pool: KVPool, store: SegmentStore) -> None:
+    def __init__(
+        self, runner: ModelRunner, pool: KVPool, store: SegmentStore, lower: LowerTiers | None = None
+    ) -> None:
         self.runner = runner
         self.pool = pool
         self.store = store
+        self.lower = lower
 
     def prepare(
         self,
@@ -129,18 +137,25 @@ class ReusePath:
         """Plan, place and set up the repair of a prompt whose first `prefix_hit` tokens hold exact cached
         KV in `block_table` (which has room for every prompt token)."""
         n = len(prompt.token_ids)
+        wanted = {
+            index: prompt.segment_tokens(span)
+            for index, span in enumerate(prompt.segments)
+            if span.end > prefix_hit and span.start < n - 1
+        }
+        # Promotions allocate, which may evict entries: all of them first, then the lookups, whose
+        # entries stay valid until _place is done.
+        promoted = self._promote(namespace, list(wanted.values()))
         entries: dict[int, SegmentEntry] = {}
         available: list[tuple[int, int, int]] = []
         missed: list[MissedSegment] = []
-        for index, span in enumerate(prompt.segments):
-            if span.end > prefix_hit and span.start < n - 1:
-                tokens = prompt.segment_tokens(span)
-                entry = self.store.lookup(namespace, tokens)
-                if entry is not None:
-                    entries[index] = entry
-                    available.append((span.start, span.end, index))
-                elif span.start >= prefix_hit and all(m.tokens != tokens for m in missed):
-                    missed.append(MissedSegment(tokens, span.start))
+        for index, tokens in wanted.items():
+            span = prompt.segments[index]
+            entry = self.store.lookup(namespace, tokens)
+            if entry is not None:
+                entries[index] = entry
+                available.append((span.start, span.end, index))
+            elif span.start >= prefix_hit and all(m.tokens != tokens for m in missed):
+                missed.append(MissedSegment(tokens, span.start))
         plan = make_plan(n, prefix_hit, available)
         for spliced in plan.spliced():
             assert spliced.segment is not None
@@ -159,7 +174,19 @@ class ReusePath:
             need_logits=True,
             next_pass=run.next_pass,
         )
-        return Prefill(plan, budget, work, run, tuple(missed))
+        return Prefill(plan, budget, work, run, tuple(missed), promoted)
+
+    def _promote(self, namespace: Hashable, segments: list[tuple[int, ...]]) -> tuple[Promotion, ...]:
+        """Load the segments the pool's store lacks from the tiers below, where they hold them."""
+        if self.lower is None:
+            return ()
+        promoted = []
+        for tokens in dict.fromkeys(segments):
+            if not self.store.contains(namespace, tokens):
+                hit = self.lower.promote(namespace, tokens)
+                if hit is not None:
+                    promoted.append(hit)
+        return tuple(promoted)
 
     def _place(self, table: Sequence[int], span: Span, entry: SegmentEntry) -> None:
         """Move a stored segment's KV (from its token span.segment_offset on) to the span's positions."""

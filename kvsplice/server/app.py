@@ -55,7 +55,9 @@ class OpenAIServer:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.config = config
         self.model_name = served_model_name(engine, config)
-        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats)
+        # TieredStore.stats is thread-safe: a scrape reads it directly, not through the engine thread.
+        store_stats = engine.lower.store.stats if engine.lower is not None else None
+        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats, store_stats)
         self.engine = AsyncEngine(engine, on_output=self.metrics.observe, on_abort=self.metrics.abort)
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
@@ -310,6 +312,8 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(server.engine.stop)
+            # After the engine thread: nothing writes to the tiers or records events any more.
+            await asyncio.to_thread(server.engine.engine.close)
 
     app = FastAPI(title="kvsplice", lifespan=lifespan)
     app.state.server = server

@@ -8,7 +8,7 @@ when /metrics is scraped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from kvsplice.engine.engine import StepOutput
 from kvsplice.server.engine_loop import EngineStats
+from kvsplice.store import TierStats, register_store_metrics
 
 # vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -26,7 +27,13 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats],
+        store_stats: Callable[[], Mapping[str, TierStats]] | None = None,
+    ) -> None:
+        """store_stats: the counters of the tiers below the KV pool, when the engine has any."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, labels = self.registry, ["model_name"]
@@ -64,6 +71,12 @@ class ServerMetrics:
         self.segment_hit_tokens = counter(
             "kvsplice:segment_hit_tokens", "Prompt tokens whose KV was reused from the segment store"
         ).labels(m)
+        self.store_hit_tokens = Counter(
+            "kvsplice:store_hit_tokens",
+            "Segment tokens loaded into the KV pool from a tier below it, by tier",
+            [*labels, "tier"],
+            registry=r,
+        )
         self.recomputed_tokens = counter(
             "kvsplice:recomputed_tokens", "Reused segment tokens recomputed by the repair policy"
         ).labels(m)
@@ -77,6 +90,8 @@ class ServerMetrics:
             registry=r,
         )
         r.register(_EngineCollector(model_name, stats))
+        if store_stats is not None:
+            register_store_metrics(r, model_name, store_stats)
 
     def observe(self, step: StepOutput) -> None:
         """Record one engine output (called by the engine thread)."""
@@ -94,6 +109,8 @@ class ServerMetrics:
         self.request_generation.observe(m.generated_tokens)
         self.prefix_hit_tokens.inc(m.prefix_hit_tokens)
         self.segment_hit_tokens.inc(m.segment_hit_tokens)
+        for tier, tokens in m.store_hit_tokens.items():
+            self.store_hit_tokens.labels(self.model_name, tier).inc(tokens)
         self.recomputed_tokens.inc(m.recomputed_tokens)
         self.computed_tokens.inc(m.computed_tokens)
 

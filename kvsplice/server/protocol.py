@@ -151,6 +151,7 @@ def usage(metrics: list[RequestMetrics]) -> dict[str, Any]:
         "prefix_hit_tokens": prefix,
         "segment_hit_tokens": segment,
         "recomputed_tokens": sum(m.recomputed_tokens for m in metrics),
+        "store_hit_tokens": sum(sum(m.store_hit_tokens.values()) for m in metrics),
     }
 
 
