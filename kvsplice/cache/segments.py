@@ -25,6 +25,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Protocol
 
 from kvsplice.kv.allocator import BlockAllocator
 from kvsplice.model_config import ModelConfig
@@ -53,6 +54,14 @@ class SegmentStoreStats:
     evictions: int = 0
 
 
+class StoreWatcher(Protocol):
+    """Told of every entry that comes and goes (the span finder indexes what the store holds)."""
+
+    def inserted(self, namespace: Hashable, tokens: tuple[int, ...]) -> None: ...
+
+    def evicted(self, namespace: Hashable, tokens: tuple[int, ...]) -> None: ...
+
+
 class SegmentStore:
     def __init__(self, allocator: BlockAllocator, context: tuple[int, ...]) -> None:
         """context: the canonical context every segment is computed after, a whole number of blocks."""
@@ -66,10 +75,14 @@ class SegmentStore:
         self._lru: list[tuple[float, int, tuple[Hashable, tuple[int, ...]]]] = []
         self._counter = 0
         self.stats = SegmentStoreStats()
+        self._watchers: list[StoreWatcher] = []
         allocator.add_reclaimer(self)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def watch(self, watcher: StoreWatcher) -> None:
+        self._watchers.append(watcher)
 
     @property
     def start_position(self) -> int:
@@ -102,6 +115,8 @@ class SegmentStore:
         self._entries[key] = entry
         self.stats.inserted_tokens += len(tokens)
         self._touch(entry)
+        for watcher in self._watchers:
+            watcher.inserted(namespace, tokens)
 
     def oldest_access(self) -> float | None:
         while self._lru:
@@ -118,6 +133,8 @@ class SegmentStore:
         entry = self._entries.pop(key)
         self.stats.evictions += 1
         self.allocator.decref(reversed(entry.blocks))
+        for watcher in self._watchers:
+            watcher.evicted(*key)
 
     def clear(self) -> None:
         while self.oldest_access() is not None:

@@ -1,28 +1,32 @@
 """The reuse path's entry point: from an admitted prompt to the prefill work that gives it KV.
 
-    prepare(prompt, ...)   look up the prompt's segments in the store, plan the spans, place the
-                           stored KV of spliced spans at their new positions, and ask the repair
-                           policy what to recompute: returns a `Prefill` (the plan, the work, and
-                           what was decided once the work is done)
+    prepare(prompt, ...)   look up the prompt's segments in the store, find the spans it shares
+                           with earlier prompts without markup (when a span finder is given), plan
+                           the spans, place the stored KV of spliced spans at their new positions,
+                           and ask the repair policy what to recompute: returns a `Prefill` (the
+                           plan, the work, and what was decided once the work is done)
 
-Segments the store lacks are computed in place with the rest of the prompt (exact for this request)
-and listed in `Prefill.missed`, for the engine to store in the background.
+Segments the store lacks, marked or found, are computed in place with the rest of the prompt (exact
+for this request) and listed in `Prefill.missed`, for the engine to store after the first token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from kvsplice.cache.segments import SegmentEntry, SegmentStore
+from kvsplice.cache.base import PrefixCache
+from kvsplice.cache.segments import SegmentStore
 from kvsplice.kv.pool import KVPool
 from kvsplice.models.runner import ModelRunner
 from kvsplice.options import RepairSettings
 from kvsplice.prompt import ParsedPrompt
 from kvsplice.repair.base import RepairPolicy, RepairTask
 from kvsplice.repair.registry import budget_tokens, make_policy
+from kvsplice.reuse.discover import SpanFinder
 from kvsplice.reuse.place import move_kv
 from kvsplice.reuse.plan import Plan, Span, SpanKind, make_plan
 from kvsplice.reuse.work import Pass, PrefillWork
@@ -77,6 +81,26 @@ class MissedSegment:
     start: int
 
 
+@dataclass(frozen=True)
+class BorrowedSpan:
+    """A found span whose KV this prefill moved from an earlier prompt's blocks in the prefix cache. A
+    reference is held on each of `blocks` (the earlier prompt's, from its first) until the engine has
+    copied the span into the store."""
+
+    tokens: tuple[int, ...]
+    blocks: list[int]
+    # The span's position in the earlier prompt.
+    start: int
+
+
+class _KVSource(NamedTuple):
+    """Where a reused segment's KV is: slots slot.. of `blocks`, computed at positions position.."""
+
+    blocks: Sequence[int]
+    slot: int
+    position: int
+
+
 @dataclass
 class Prefill:
     plan: Plan
@@ -85,6 +109,8 @@ class Prefill:
     repair: RepairRun
     # Each segment the store lacked and this prefill computes whole (none of it in the cached prefix).
     missed: tuple[MissedSegment, ...]
+    # Found spans the store lacked, moved from earlier prompts' KV: to store, then to let go of.
+    borrowed: tuple[BorrowedSpan, ...] = ()
 
     @property
     def recomputed(self) -> int:
@@ -101,10 +127,23 @@ class Prefill:
 
 
 class ReusePath:
-    def __init__(self, runner: ModelRunner, pool: KVPool, store: SegmentStore) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pool: KVPool,
+        store: SegmentStore,
+        prefix_cache: PrefixCache,
+        finder: SpanFinder | None = None,
+    ) -> None:
+        """finder: finds reusable spans in prompts without markup (None: only marked segments); their
+        KV comes from the store, or from earlier prompts' blocks in `prefix_cache`."""
         self.runner = runner
         self.pool = pool
         self.store = store
+        self.prefix_cache = prefix_cache
+        self.finder = finder
+        if finder is not None:
+            store.watch(finder)
 
     def prepare(
         self,
@@ -117,7 +156,8 @@ class ReusePath:
         """Plan, place and set up the repair of a prompt whose first `prefix_hit` tokens hold exact cached
         KV in `block_table` (which has room for every prompt token)."""
         n = len(prompt.token_ids)
-        entries: dict[int, SegmentEntry] = {}
+        # Per reused segment: where its KV is.
+        sources: dict[int, _KVSource] = {}
         available: list[tuple[int, int, int]] = []
         missed: list[MissedSegment] = []
         for index, span in enumerate(prompt.segments):
@@ -125,14 +165,42 @@ class ReusePath:
                 tokens = prompt.segment_tokens(span)
                 entry = self.store.lookup(namespace, tokens)
                 if entry is not None:
-                    entries[index] = entry
+                    sources[index] = _KVSource(entry.blocks, 0, self.store.start_position)
                     available.append((span.start, span.end, index))
                 elif span.start >= prefix_hit and all(m.tokens != tokens for m in missed):
                     missed.append(MissedSegment(tokens, span.start))
-        plan = make_plan(n, prefix_hit, available)
+        discovered: set[int] = set()
+        borrowed: list[BorrowedSpan] = []
+        if self.finder is not None:
+            covered = [(0, prefix_hit), *((s.start, s.end) for s in prompt.segments)]
+            found = self.finder.find(namespace, prompt.token_ids, covered)
+            index = len(prompt.segments)
+            for reused in found.reused:
+                entry = self.store.lookup(namespace, reused.tokens)
+                assert entry is not None, "the finder indexes only what the store holds"
+                position = self.store.start_position + reused.offset
+                sources[index] = _KVSource(entry.blocks, reused.offset, position)
+                available.append((reused.start, reused.end, index))
+                index += 1
+            for seen in found.new:
+                tokens = prompt.token_ids[seen.start : seen.end]
+                hit = self.prefix_cache.borrow(namespace, seen.earlier)
+                if hit.num_tokens < len(seen.earlier):
+                    self.pool.allocator.decref(reversed(hit.blocks))
+                    if all(m.tokens != tokens for m in missed):
+                        missed.append(MissedSegment(tokens, seen.start))
+                    continue
+                start = len(seen.earlier) - len(tokens)
+                borrowed.append(BorrowedSpan(tokens, list(hit.blocks), start))
+                sources[index] = _KVSource(hit.blocks, start, start)
+                available.append((seen.start, seen.end, index))
+                index += 1
+            discovered = set(range(len(prompt.segments), index))
+            self.finder.remember(namespace, prompt.token_ids)
+        plan = make_plan(n, prefix_hit, sorted(available), frozenset(discovered))
         for spliced in plan.spliced():
             assert spliced.segment is not None
-            self._place(block_table, spliced, entries[spliced.segment])
+            self._place(block_table, spliced, sources[spliced.segment])
         budget = budget_tokens(plan.tokens(SpanKind.SPLICED), settings.ratio, settings.tokens)
         run = RepairRun(
             make_policy(settings.policy), RepairTask(plan, budget, self.runner.num_layers, self.runner.cfg)
@@ -145,16 +213,16 @@ class ReusePath:
             need_logits=True,
             next_pass=run.next_pass,
         )
-        return Prefill(plan, budget, work, run, tuple(missed))
+        return Prefill(plan, budget, work, run, tuple(missed), tuple(borrowed))
 
-    def _place(self, table: Sequence[int], span: Span, entry: SegmentEntry) -> None:
-        """Move a stored segment's KV (from its token span.segment_offset on) to the span's positions."""
+    def _place(self, table: Sequence[int], span: Span, source: _KVSource) -> None:
+        """Move a reused segment's KV (from its token span.segment_offset on) to the span's positions."""
         device = self.pool.device
         local = torch.arange(span.end - span.start, device=device) + span.segment_offset
         dst_pos = torch.arange(span.start, span.end, device=device)
-        src = self.pool.slots(entry.blocks, local)
+        src = self.pool.slots(list(source.blocks), local + source.slot)
         dst = self.pool.slots(list(table), dst_pos)
-        delta = dst_pos - self.store.start_position - local
+        delta = dst_pos - source.position - local
         move_kv(self.pool, self.runner.cfg, self.runner.freqs, src, dst, delta)
 
 
