@@ -5,6 +5,8 @@
     radix                   SGLang's radix-tree prefix cache; documents as plain text.
     splice:<policy>@<pct>   documents as `Segment`s, over the radix prefix cache, repaired by <policy>
                             with a budget of <pct>% of the reused segment tokens.
+    <splice system>/plain   the same, the prompt sent unmarked as one plain string (`--unmarked` adds
+                            one per splice system): reuse beyond the prefix is what auto_segments finds.
 
 `splice` alone stands for every policy at every budget, `splice:<policy>` for one policy at every
 budget; `none` runs only at 0% and `full` only at 100% (anything else would duplicate them), and the
@@ -16,6 +18,7 @@ has its own cache salt, so its prefix cache and segment store are its own.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +48,8 @@ class System:
     # Splicing systems: the repair policy and its budget in percent of the reused segment tokens.
     policy: str | None = None
     budget_pct: float | None = None
+    # Documents go as Segments (splicing systems); False: the whole prompt as one plain string.
+    marked: bool = True
 
     @property
     def splices(self) -> bool:
@@ -62,6 +67,12 @@ class System:
     @property
     def recompute_ratio(self) -> float | None:
         return None if self.budget_pct is None else self.budget_pct / 100.0
+
+
+def unmarked(system: System) -> System:
+    """The splice system's twin that sends prompts without markup."""
+    assert system.splices
+    return dataclasses.replace(system, name=system.name + "/plain", marked=False)
 
 
 def splice_system(policy: str, budget_pct: float) -> System:
@@ -127,8 +138,11 @@ def default_systems(workload: str, budgets: Sequence[float] | None = None) -> li
 def prompt_parts(
     system: System, request: BenchRequest, encode: Callable[[str], list[int]] | None = None
 ) -> list[Part]:
-    """The request as the system sends it: documents become Segments on splicing systems. `encode`
-    turns text into token ids for models without a tokenizer."""
+    """The request as the system sends it: documents become Segments on splicing systems that mark
+    them; unmarked, the prompt is one string. `encode` turns text into token ids for models without a
+    tokenizer."""
+    if not system.marked:
+        return [encode(request.text) if encode is not None else request.text]
     parts: list[Part] = []
     for part in request.parts:
         text = part.text if isinstance(part, Doc) else part

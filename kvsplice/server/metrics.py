@@ -62,7 +62,11 @@ class ServerMetrics:
             "kvsplice:prefix_hit_tokens", "Prompt tokens whose KV came exactly from the prefix cache"
         ).labels(m)
         self.segment_hit_tokens = counter(
-            "kvsplice:segment_hit_tokens", "Prompt tokens whose KV was reused from the segment store"
+            "kvsplice:segment_hit_tokens", "Prompt tokens of marked segments whose KV was reused"
+        ).labels(m)
+        self.discovered_hit_tokens = counter(
+            "kvsplice:discovered_hit_tokens",
+            "Prompt tokens of spans found without markup (auto_segments) whose KV was reused",
         ).labels(m)
         self.recomputed_tokens = counter(
             "kvsplice:recomputed_tokens", "Reused segment tokens recomputed by the repair policy"
@@ -94,6 +98,7 @@ class ServerMetrics:
         self.request_generation.observe(m.generated_tokens)
         self.prefix_hit_tokens.inc(m.prefix_hit_tokens)
         self.segment_hit_tokens.inc(m.segment_hit_tokens)
+        self.discovered_hit_tokens.inc(m.discovered_hit_tokens)
         self.recomputed_tokens.inc(m.recomputed_tokens)
         self.computed_tokens.inc(m.computed_tokens)
 
