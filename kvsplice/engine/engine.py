@@ -98,8 +98,10 @@ class Engine:
         # Segments requests missed, to compute on their own and store; the one being computed.
         self._fills: deque[StoreFill] = deque()
         self._filling: tuple[StoreFill, PrefillWork] | None = None
-        # KV of missed segments to copy into the store at the start of the next step.
+        # KV of missed segments to copy into the store, and prompts for the span finder to index (their
+        # KV now computed), at the start of the next step.
         self._captures: list[_Capture] = []
+        self._to_index: list[tuple[Hashable, tuple[int, ...]]] = []
         self.fills_dropped = 0
 
     # -- requests ---------------------------------------------------------------------------------
@@ -166,7 +168,7 @@ class Engine:
         self._finish(request)
 
     def has_unfinished(self) -> bool:
-        background = bool(self._fills) or self._filling is not None or bool(self._captures)
+        background = bool(self._fills) or self._filling is not None or bool(self._captures or self._to_index)
         return self.scheduler.has_work() or background
 
     # -- the step ---------------------------------------------------------------------------------
@@ -235,6 +237,8 @@ class Engine:
     def _store_missed(self, request: Request, prefill: Prefill) -> None:
         """Queue the store work for the segments the prefill missed; none of it runs before the first
         token goes out."""
+        if self.reuse.finder is not None:
+            self._to_index.append((request.namespace, request.prompt.token_ids))
         for b in prefill.borrowed:
             # Copied from the earlier prompt's KV, whose blocks the prefill has held since it was planned.
             self._captures.append(_Capture(request.namespace, b.blocks, (MissedSegment(b.tokens, b.start),)))
@@ -253,7 +257,8 @@ class Engine:
             self._fills.append(StoreFill(store, self.pool, layers, request.namespace, missed.tokens))
 
     def _capture(self) -> None:
-        """Copy the KV of queued missed segments into the store, and let go of the blocks held for it."""
+        """Copy the KV of queued missed segments into the store, and let go of the blocks held for it;
+        index the prompts of finished prefills for the span finder."""
         store, runner = self.segment_store, self.runner
         for c in self._captures:
             for m in c.missed:
@@ -262,6 +267,10 @@ class Engine:
                 )
             self.pool.allocator.decref(reversed(c.blocks))
         self._captures = []
+        if self.reuse.finder is not None:
+            for namespace, token_ids in self._to_index:
+                self.reuse.finder.remember(namespace, token_ids)
+        self._to_index = []
 
     def _background(self, tokens: int) -> None:
         """One chunk of store-filling work, at most `tokens` long."""

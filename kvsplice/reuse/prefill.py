@@ -196,7 +196,6 @@ class ReusePath:
                 available.append((seen.start, seen.end, index))
                 index += 1
             discovered = set(range(len(prompt.segments), index))
-            self.finder.remember(namespace, prompt.token_ids)
         plan = make_plan(n, prefix_hit, sorted(available), frozenset(discovered))
         for spliced in plan.spliced():
             assert spliced.segment is not None
