@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from kvsplice import LLM, SamplingParams, Segment
+from kvsplice.cache.base import CacheSeq
+from kvsplice.cache.registry import make_prefix_cache
 from kvsplice.cache.segments import SegmentStore
 from kvsplice.kv.allocator import BlockAllocator
 from kvsplice.options import RequestOptions
@@ -72,6 +74,29 @@ def test_spans_shorter_than_the_minimum_and_the_last_token_are_left_alone() -> N
     # The last token is always computed: a passage that ends the prompt is found without it.
     (span,) = finder.find("ns", [9, 9, *a], []).new
     assert (span.start, span.end) == (4, 71)
+
+
+@pytest.mark.parametrize(("kind", "hit"), [("radix", 10), ("hash", 8), ("off", 0)])
+def test_borrow_references_an_earlier_prompts_blocks(kind: str, hit: int) -> None:
+    """A found span's KV is read from the prefix cache's blocks of the earlier prompt that carried it."""
+    alloc = BlockAllocator(16, 4)
+    cache = make_prefix_cache(kind, alloc)
+    tokens = list(range(100, 118))
+    seq = CacheSeq("r", "ns", tokens)
+    cache.acquire(seq)
+    seq.block_table, seq.num_computed = alloc.allocate(5), len(tokens)
+    cache.on_computed(seq)
+    table = list(seq.block_table)
+    cache.release(seq)
+    refs = [alloc.ref(b) for b in table]
+    borrowed = cache.borrow("ns", tokens[:10])
+    assert borrowed.num_tokens == hit and list(borrowed.blocks) == table[: -(-hit // 4)]
+    assert [alloc.ref(b) - r for b, r in zip(table, refs, strict=True)] == [
+        int(b in borrowed.blocks) for b in table
+    ]
+    assert cache.borrow("other", tokens).num_tokens == 0
+    alloc.decref(borrowed.blocks)
+    alloc.check_invariants()
 
 
 # -- the engine, on the default model -------------------------------------------------------------
