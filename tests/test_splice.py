@@ -225,9 +225,10 @@ def test_moved_first_layer_keys_equal_keys_computed_at_the_new_positions(model_d
     captured = {}
     place = engine.reuse._place
 
-    def spy(table, span, entry):
-        place(table, span, entry)
-        captured[span.start] = engine.pool.slots(table, torch.arange(span.start, span.end))
+    def spy(table, spans, sources):
+        place(table, spans, sources)
+        for span in spans:
+            captured[span.start] = engine.pool.slots(table, torch.arange(span.start, span.end))
 
     engine.reuse._place = spy
     llm.generate([_parts([2, 0])], SamplingParams(max_tokens=1))

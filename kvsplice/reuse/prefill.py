@@ -197,9 +197,7 @@ class ReusePath:
                 index += 1
             discovered = set(range(len(prompt.segments), index))
         plan = make_plan(n, prefix_hit, sorted(available), frozenset(discovered))
-        for spliced in plan.spliced():
-            assert spliced.segment is not None
-            self._place(block_table, spliced, sources[spliced.segment])
+        self._place(block_table, plan.spliced(), sources)
         budget = budget_tokens(plan.tokens(SpanKind.SPLICED), settings.ratio, settings.tokens)
         run = RepairRun(
             make_policy(settings.policy), RepairTask(plan, budget, self.runner.num_layers, self.runner.cfg)
@@ -214,15 +212,23 @@ class ReusePath:
         )
         return Prefill(plan, budget, work, run, tuple(missed), tuple(borrowed))
 
-    def _place(self, table: Sequence[int], span: Span, source: _KVSource) -> None:
-        """Move a reused segment's KV (from its token span.segment_offset on) to the span's positions."""
+    def _place(self, table: Sequence[int], spans: list[Span], sources: dict[int, _KVSource]) -> None:
+        """Move each spliced span's KV (its segment's from token span.segment_offset on) to the span's
+        positions, all spans in one move: each costs a few small ops per layer, which add up."""
+        if not spans:
+            return
         device = self.pool.device
-        local = torch.arange(span.end - span.start, device=device) + span.segment_offset
-        dst_pos = torch.arange(span.start, span.end, device=device)
-        src = self.pool.slots(list(source.blocks), local + source.slot)
-        dst = self.pool.slots(list(table), dst_pos)
-        delta = dst_pos - source.position - local
-        move_kv(self.pool, self.runner.cfg, self.runner.freqs, src, dst, delta)
+        src, dst, delta = [], [], []
+        for span in spans:
+            assert span.segment is not None
+            source = sources[span.segment]
+            local = torch.arange(span.end - span.start, device=device) + span.segment_offset
+            dst_pos = torch.arange(span.start, span.end, device=device)
+            src.append(self.pool.slots(list(source.blocks), local + source.slot))
+            dst.append(dst_pos)
+            delta.append(dst_pos - source.position - local)
+        dst_slots = self.pool.slots(list(table), torch.cat(dst))
+        move_kv(self.pool, self.runner.cfg, self.runner.freqs, torch.cat(src), dst_slots, torch.cat(delta))
 
 
 def _union(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
