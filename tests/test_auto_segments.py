@@ -12,6 +12,8 @@ from kvsplice import LLM, SamplingParams, Segment
 from kvsplice.cache.base import CacheSeq
 from kvsplice.cache.registry import make_prefix_cache
 from kvsplice.cache.segments import SegmentStore
+from kvsplice.cli import build_parser
+from kvsplice.config import EngineConfig
 from kvsplice.kv.allocator import BlockAllocator
 from kvsplice.options import RequestOptions
 from kvsplice.reuse.discover import SpanFinder
@@ -97,6 +99,12 @@ def test_borrow_references_an_earlier_prompts_blocks(kind: str, hit: int) -> Non
     assert cache.borrow("other", tokens).num_tokens == 0
     alloc.decref(borrowed.blocks)
     alloc.check_invariants()
+
+
+def test_the_switch_is_on_by_default_and_off_from_the_command_line() -> None:
+    parser = build_parser()
+    assert EngineConfig.from_args(parser.parse_args(["serve"])).auto_segments
+    assert not EngineConfig.from_args(parser.parse_args(["serve", "--no-auto-segments"])).auto_segments
 
 
 # -- the engine, on the default model -------------------------------------------------------------
