@@ -238,7 +238,16 @@ class Engine:
         """Queue the store work for the segments the prefill missed; none of it runs before the first
         token goes out."""
         if self.reuse.finder is not None:
-            self._to_index.append((request.namespace, request.prompt.token_ids))
+            # Only what the prefix cache keeps under plain token ids, so that what is found there can
+            # be moved from it: the exact part, or under segment keys what precedes the first segment.
+            prompt, admission = request.prompt, request.admission
+            assert admission is not None
+            if admission.segment_keyed:
+                kept = prompt.segments[0].start
+            else:
+                exact = prefill.exact_until
+                kept = len(prompt.token_ids) if exact is None else exact
+            self._to_index.append((request.namespace, prompt.token_ids[:kept]))
         for b in prefill.borrowed:
             # Copied from the earlier prompt's KV, whose blocks the prefill has held since it was planned.
             self._captures.append(_Capture(request.namespace, b.blocks, (MissedSegment(b.tokens, b.start),)))

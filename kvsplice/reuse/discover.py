@@ -8,7 +8,8 @@ Two span indexes (cache/span_index.py), each per namespace, so tenants with diff
   with the store through its watcher hooks. A stretch of the prompt found here reuses that entry's KV
   from the matched offset on, so a discovered span need not be a whole entry, nor an entry a whole
   passage: passages that sat side by side when stored are found one by one when they come apart.
-- `seen`: earlier prompts, the newest up to `history_tokens` tokens. A stretch found here and not in
+- `seen`: earlier prompts, the newest up to `history_tokens` tokens, each as far as the prefix cache
+  keeps its KV under its token ids (the engine passes that part). A stretch found here and not in
   the store is content seen for the second time. Its KV is where the earlier prompt left it, in the
   prefix cache (exact, for that prompt): the request moves it from there, like a stored segment, and
   the engine then copies it into the store (store_fill.capture_in_place), so the second sighting

@@ -198,10 +198,11 @@ class ReusePath:
             discovered = set(range(len(prompt.segments), index))
         plan = make_plan(n, prefix_hit, sorted(available), frozenset(discovered))
         self._place(block_table, plan.spliced(), sources)
+        policy = make_policy(settings.policy)
+        if self.finder is not None and discovered and not policy.exact:
+            missed += self._unkept(prompt, plan, missed)
         budget = budget_tokens(plan.tokens(SpanKind.SPLICED), settings.ratio, settings.tokens)
-        run = RepairRun(
-            make_policy(settings.policy), RepairTask(plan, budget, self.runner.num_layers, self.runner.cfg)
-        )
+        run = RepairRun(policy, RepairTask(plan, budget, self.runner.num_layers, self.runner.cfg))
         work = PrefillWork(
             block_table,
             prompt.token_ids,
@@ -211,6 +212,30 @@ class ReusePath:
             next_pass=run.next_pass,
         )
         return Prefill(plan, budget, work, run, tuple(missed), tuple(borrowed))
+
+    def _unkept(self, prompt: ParsedPrompt, plan: Plan, missed: list[MissedSegment]) -> list[MissedSegment]:
+        """Computed stretches after the first spliced token, for the store. Their KV reads approximate
+        KV, so the prefix cache (plain token ids) will not keep it; stored, a later prompt that carries
+        them finds them there, as it would a marked segment stored at first sight (measured on qa: the
+        first request after a passage came only behind a splice computed 411 tokens instead of 23)."""
+        assert self.finder is not None
+        first = plan.spliced()[0].start
+        marked = [(s.start, s.end) for s in prompt.segments] + [
+            (m.start, m.start + len(m.tokens)) for m in missed
+        ]
+        kept = []
+        for span in plan.spans:
+            end = min(span.end, plan.num_tokens - 1)  # the last token is always computed anew
+            if (
+                span.kind is not SpanKind.COMPUTE
+                or span.start < first
+                or end - span.start < self.finder.min_tokens
+            ):
+                continue
+            if any(s < end and span.start < e for s, e in marked):
+                continue  # a marked segment or a found span, stored on its own
+            kept.append(MissedSegment(prompt.token_ids[span.start : end], span.start))
+        return kept
 
     def _place(self, table: Sequence[int], spans: list[Span], sources: dict[int, _KVSource]) -> None:
         """Move each spliced span's KV (its segment's from token span.segment_offset on) to the span's
