@@ -73,6 +73,15 @@ class EngineConfig:
         "context, as background work)",
         default="prompt",
     )
+    auto_segments: bool = _opt(
+        "reuse without markup: find spans a prompt shares with earlier prompts (RAG passages, re-sent "
+        "tool outputs) and splice them like marked segments; --no-auto-segments turns it off",
+        default=True,
+    )
+    auto_segment_min_tokens: int = _opt(
+        "the shortest shared span auto_segments splices (the span index finds every span of >= 63 tokens)",
+        default=64,
+    )
     seed: int = _opt("seed for sampling when a request gives none", default=0)
     store_dir: str | None = _opt(
         "directory of the disk tier below the KV pool: segments' KV outlives the process (default: off)",
@@ -123,6 +132,7 @@ class EngineConfig:
             "segment_context_tokens must be >= 0",
         )
         _check(self.prefix_cache in PREFIX_CACHE_NAMES, f"prefix_cache must be one of {PREFIX_CACHE_NAMES}")
+        _check(self.auto_segment_min_tokens >= 1, "auto_segment_min_tokens must be >= 1")
         _check(self.segment_kv in SEGMENT_KV, f"segment_kv must be one of {SEGMENT_KV}")
         _check(self.repair in POLICY_NAMES, f"repair must be one of {POLICY_NAMES}")
         _check(self.store_disk_gb > 0, "store_disk_gb must be > 0")
@@ -185,10 +195,13 @@ class EngineConfig:
     def add_args(parser: argparse.ArgumentParser) -> None:
         """Add one --option per field to a CLI parser."""
         for f in dataclasses.fields(EngineConfig):
+            flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
+            if str(f.type) == "bool":
+                on_off = argparse.BooleanOptionalAction  # --flag / --no-flag
+                parser.add_argument(flag, action=on_off, default=f.default, help=help_text)
+                continue
             kind = {"int | None": int, "int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(
-                "--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"]
-            )
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:

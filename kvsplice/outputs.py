@@ -9,21 +9,24 @@ import torch
 
 @dataclass
 class RequestMetrics:
-    """Per-request accounting. prefix_hit_tokens + segment_hit_tokens + computed_tokens == prompt_tokens."""
+    """Per-request accounting: prefix_hit_tokens + segment_hit_tokens + discovered_hit_tokens +
+    computed_tokens == prompt_tokens."""
 
     prompt_tokens: int = 0
     # KV reused from the prefix cache: exact, except under segment keys, where it can be the KV an earlier
     # request with the same prompt start, segments and repair settings spliced (cache/segment_keys.py).
     prefix_hit_tokens: int = 0
-    # KV reused from the segment store: moved to new positions, then repaired.
+    # KV of marked segments reused from the segment store: moved to new positions, then repaired.
     segment_hit_tokens: int = 0
     # Segment tokens this request loaded into the pool from a tier below it (disk, Redis), by tier,
     # and the seconds spent loading them (before its prefill could start).
     store_hit_tokens: dict[str, int] = field(default_factory=dict)
     store_load_s: float = 0.0
+    # The same for spans found without markup (auto_segments): content earlier prompts carried.
+    discovered_hit_tokens: int = 0
     # Prompt tokens computed from scratch (the last prompt token always is).
     computed_tokens: int = 0
-    # Reused segment tokens recomputed by the repair policy on (most) layers.
+    # Reused segment tokens (marked or found) recomputed by the repair policy on (most) layers.
     recomputed_tokens: int = 0
     generated_tokens: int = 0
     # Estimated FLOPs of this request's prefill (segment-store fills are background work, not counted).
@@ -34,13 +37,14 @@ class RequestMetrics:
 
     @property
     def reused_tokens(self) -> int:
-        return self.prefix_hit_tokens + self.segment_hit_tokens
+        return self.prefix_hit_tokens + self.segment_hit_tokens + self.discovered_hit_tokens
 
     def summary(self) -> str:
         """One line a person can read: where the prompt's KV came from, and the time to first token."""
         return (
             f"{self.prompt_tokens} prompt tokens: {self.prefix_hit_tokens} from the prefix cache, "
-            f"{self.segment_hit_tokens} reused from stored segments ({self.recomputed_tokens} of them "
+            f"{self.segment_hit_tokens} reused from marked segments, {self.discovered_hit_tokens} from "
+            f"spans found in earlier prompts ({self.recomputed_tokens} of them "
             f"recomputed to repair), {self.computed_tokens} computed; "
             f"time to first token {self.ttft_s:.2f} s"
         )

@@ -24,10 +24,11 @@ def default_model_dir(default_gguf_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def llm(default_model_dir: Path):
-    """The default model in kvsplice, prefix caching off, shared by the tests that only read from it."""
+    """The default model in kvsplice, no reuse at all (prefix caching and auto_segments off): the full
+    prefill, shared by the tests that only read from it."""
     from kvsplice import LLM
 
-    return LLM(prefix_cache="off", kv_cache_gb=0.5)
+    return LLM(prefix_cache="off", auto_segments=False, kv_cache_gb=0.5)
 
 
 @pytest.fixture(scope="session")

@@ -135,7 +135,7 @@ def test_summaries_count_failures_and_average_over_completed_requests() -> None:
     lines = table.splitlines()
     assert "same 16" in lines[0]
     assert "1/2 (**1 failed**)" in lines[3]
-    assert lines[4].startswith("| hash | 0/2 (**2 failed**) |") and lines[4].count("failed") == 15
+    assert lines[4].startswith("| hash | 0/2 (**2 failed**) |") and lines[4].count("failed") == 16
 
 
 def test_per_turn_rows() -> None:

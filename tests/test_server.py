@@ -19,6 +19,7 @@ from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine
 from kvsplice.server.config import ServerConfig
 from kvsplice.server.launch import ServerThread
+from tests.test_splice_default import DOCS as PASSAGES
 
 pytestmark = pytest.mark.slow
 
@@ -243,6 +244,37 @@ def test_chat_segment_content_part(client: openai.OpenAI, model: str) -> None:
     assert ask(1, 0).segment_hit_tokens > 0
 
 
+def test_plain_chat_messages_with_passages_in_a_new_order_reuse_them(
+    client: openai.OpenAI, model: str, server: ServerThread
+) -> None:
+    """No markup: the passages are pasted into a plain user message; auto_segments finds them."""
+
+    def ask(order: list[int], salt: str) -> Any:
+        passages = "".join(PASSAGES[i] + "\n\n" for i in order)
+        return client.chat.completions.create(
+            model=model,
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": passages + "Who founded the Larkspur Observatory?"},
+            ],
+            max_tokens=2,
+            temperature=0,
+            extra_body={"cache_salt": salt},
+        ).usage
+
+    first = ask([0, 1, 2], "plain-a")
+    assert first.discovered_hit_tokens == 0
+    before = metrics(server)["kvsplice:discovered_hit_tokens_total"]
+    second = ask([2, 0, 1], "plain-a")
+    # Most of the two passages that do not lead (the first after the prefix may too): ~120 tokens each.
+    assert second.discovered_hit_tokens >= 200 and second.segment_hit_tokens == 0
+    cached = second.prompt_tokens_details.cached_tokens
+    assert cached == second.prefix_hit_tokens + second.discovered_hit_tokens
+    assert metrics(server)["kvsplice:discovered_hit_tokens_total"] - before == second.discovered_hit_tokens
+    # Another tenant sent the first order too, but tenants never share.
+    assert ask([1, 2, 0], "plain-b").discovered_hit_tokens == 0
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 BAD_COMPLETIONS: list[tuple[dict[str, Any], int]] = [
@@ -409,6 +441,7 @@ def test_metrics_names(server: ServerThread) -> None:
         "vllm:e2e_request_latency_seconds_count",
         "kvsplice:prefix_hit_tokens_total",
         "kvsplice:segment_hit_tokens_total",
+        "kvsplice:discovered_hit_tokens_total",
         "kvsplice:recomputed_tokens_total",
         "kvsplice:segment_store_entries",
     ]:

@@ -82,6 +82,12 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
         default="auto",
         help="text for rag, chat and agent: MuSiQue from ../shared/data when present, else synthetic",
     )
+    parser.add_argument(
+        "--unmarked",
+        action="store_true",
+        help="also send every request without markup (one plain string) to a twin of each splice "
+        "system, named <system>/plain: what auto_segments finds next to what the markup gives",
+    )
     run = parser.add_argument_group("run")
     run.add_argument("--out", type=Path, default=None, help="output directory (default: out/bench/WORKLOAD)")
     run.add_argument("--continuation", type=int, default=16, help="greedy tokens compared per request")
@@ -124,6 +130,7 @@ def _bench(args: argparse.Namespace) -> None:
             spec=spec,
             systems=tuple(args.systems or ()),
             budgets=budgets,
+            unmarked=args.unmarked,
             continuation=args.continuation,
             model=args.model,
             num_threads=args.num_threads,

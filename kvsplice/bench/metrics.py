@@ -45,6 +45,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
     segment_hit_tokens: int = 0
+    # Reused KV of spans found without markup (auto_segments).
+    discovered_hit_tokens: int = 0
     computed_tokens: int = 0
     recomputed_tokens: int = 0
     # Tokens computed after the first token to fill the segment store (missed segments, on their own).
@@ -98,6 +100,7 @@ class SystemSummary:
     flops_frac: float | None = None
     prefix_hit_frac: float | None = None
     segment_hit_frac: float | None = None
+    discovered_hit_frac: float | None = None
     recomputed_frac: float | None = None
     # Tokens computed after the first token to fill the segment store, over the prompt tokens.
     store_fill_frac: float | None = None
@@ -240,6 +243,7 @@ def _summary(name: str, records: list[RequestRecord]) -> SystemSummary:
         ),
         prefix_hit_frac=_frac(sum(r.prefix_hit_tokens for r in ok), prompt),
         segment_hit_frac=_frac(sum(r.segment_hit_tokens for r in ok), prompt),
+        discovered_hit_frac=_frac(sum(r.discovered_hit_tokens for r in ok), prompt),
         recomputed_frac=_frac(sum(r.recomputed_tokens for r in ok), prompt),
         store_fill_frac=_frac(sum(r.store_tokens for r in ok), prompt),
         kl_mean=_mean(kls),
@@ -272,7 +276,9 @@ def per_turn(records: Sequence[RequestRecord], systems: Sequence[str]) -> list[T
                     prompt_tokens_mean=_mean([r.prompt_tokens for r in ok]),
                     ttft_p50_s=percentile([r.ttft_s for r in ok], 50),
                     computed_mean=_mean([r.computed_tokens + r.recomputed_tokens for r in ok]),
-                    reused_mean=_mean([r.prefix_hit_tokens + r.segment_hit_tokens for r in ok]),
+                    reused_mean=_mean(
+                        [r.prefix_hit_tokens + r.segment_hit_tokens + r.discovered_hit_tokens for r in ok]
+                    ),
                 )
             )
     return rows

@@ -110,7 +110,8 @@ def reuse(result: BenchResult, path: Path) -> None:
     names = [_short(s.system) for s in rows]
     prefix = [(s.prefix_hit_frac or 0) * 100 for s in rows]
     recomputed = [(s.recomputed_frac or 0) * 100 for s in rows]
-    moved = [(s.segment_hit_frac or 0) * 100 - r for s, r in zip(rows, recomputed, strict=True)]
+    spliced = [((s.segment_hit_frac or 0) + (s.discovered_hit_frac or 0)) * 100 for s in rows]
+    moved = [h - r for h, r in zip(spliced, recomputed, strict=True)]
     computed = [100 - p - m - r for p, m, r in zip(prefix, moved, recomputed, strict=True)]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 2.2))
     left = [0.0] * len(rows)

@@ -64,13 +64,13 @@ def _mib(value: int | None) -> str:
 def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
     header = (
         "| system | done | TTFT p50 ms | TTFT p95 ms | speedup | computed | FLOPs | prefix | segment "
-        f"| store fill | KL | top-1 | same {continuation} | match | accuracy | peak KV MiB |"
+        f"| found | store fill | KL | top-1 | same {continuation} | match | accuracy | peak KV MiB |"
     )
-    rows = [header, "|---|---|" + "---:|" * 14]
+    rows = [header, "|---|---|" + "---:|" * 15]
     for s in summaries:
         done = f"{s.requests - s.failed}/{s.requests}" + (f" (**{s.failed} failed**)" if s.failed else "")
         if s.failed == s.requests and s.requests:
-            rows.append(f"| {s.system} | {done} |" + " failed |" * 14)
+            rows.append(f"| {s.system} | {done} |" + " failed |" * 15)
             continue
         cells = [
             _ms(s.ttft_p50_s),
@@ -80,6 +80,7 @@ def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
             _pct(s.flops_frac, 1),
             _pct(s.prefix_hit_frac, 1),
             _pct(s.segment_hit_frac, 1),
+            _pct(s.discovered_hit_frac, 1),
             _pct(s.store_fill_frac, 1),
             _kl(s.kl_mean),
             _pct(s.top1_rate),

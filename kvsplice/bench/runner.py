@@ -41,6 +41,7 @@ from kvsplice.bench.systems import (
     default_systems,
     parse_systems,
     prompt_parts,
+    unmarked,
 )
 from kvsplice.bench.workloads import make_workload
 from kvsplice.config import DTYPES
@@ -64,6 +65,8 @@ class BenchConfig:
     systems: tuple[str, ...] = ()
     # Budgets (percent) for systems named without one; None: the workload's default.
     budgets: tuple[float, ...] | None = None
+    # Also send every request unmarked to a twin of each splice system (systems.unmarked).
+    unmarked: bool = False
     # Greedy continuation length compared with the reference's.
     continuation: int = 16
     model: str | None = None
@@ -159,6 +162,8 @@ class _Run:
             llm = LLM(
                 c.model,
                 prefix_cache="radix" if key == SPLICE_ENGINE else key,
+                # The prefix-cache systems and the reference reuse nothing beyond the prefix.
+                auto_segments=key == SPLICE_ENGINE,
                 kv_cache_gb=gib,
                 num_threads=c.num_threads,
                 dtype=c.dtype,
@@ -244,6 +249,7 @@ class _Run:
         record.prompt_tokens = m.prompt_tokens
         record.prefix_hit_tokens = m.prefix_hit_tokens
         record.segment_hit_tokens = m.segment_hit_tokens
+        record.discovered_hit_tokens = m.discovered_hit_tokens
         record.computed_tokens = m.computed_tokens
         record.recomputed_tokens = m.recomputed_tokens
         record.store_tokens = engine.segment_store.stats.inserted_tokens - stored_before
@@ -307,6 +313,8 @@ def run_bench(config: BenchConfig, workload: Workload | None = None) -> BenchRes
         systems = parse_systems(config.systems, config.budgets or DEFAULT_BUDGETS)
     else:
         systems = default_systems(config.budgets)
+    if config.unmarked:
+        systems += [unmarked(s) for s in systems if s.splices]
     machine = MachineInfo.collect()
     run = _Run(config, workload, systems)
     # Engines set torch's thread count; record the count they run with.

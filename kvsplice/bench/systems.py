@@ -7,6 +7,8 @@
                             with a budget of <pct>% of the reused segment tokens.
     splice:adaptive@<kl>    the same, repaired by the adaptive policy, whose knob is a quality target:
                             the KL (nats) at which it stops (default: the engine's repair_target).
+    <splice system>/plain   the same, the prompt sent unmarked as one plain string (`--unmarked` adds
+                            one per splice system): reuse beyond the prefix is what auto_segments finds.
 
 `splice` alone stands for every policy at every budget, `splice:<policy>` for one policy at every
 budget; `none` runs only at 0% and `full` only at 100% (anything else would duplicate them), and the
@@ -18,6 +20,7 @@ has its own cache salt, so its prefix cache and segment store are its own.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +51,8 @@ class System:
     policy: str | None = None
     budget_pct: float | None = None
     target: float | None = None
+    # Documents go as Segments (splicing systems); False: the whole prompt as one plain string.
+    marked: bool = True
 
     @property
     def splices(self) -> bool:
@@ -65,6 +70,12 @@ class System:
     @property
     def recompute_ratio(self) -> float | None:
         return None if self.budget_pct is None else self.budget_pct / 100.0
+
+
+def unmarked(system: System) -> System:
+    """The splice system's twin that sends prompts without markup."""
+    assert system.splices
+    return dataclasses.replace(system, name=system.name + "/plain", marked=False)
 
 
 def splice_system(policy: str, budget_pct: float) -> System:
@@ -148,8 +159,11 @@ def default_systems(budgets: Sequence[float] | None = None) -> list[System]:
 def prompt_parts(
     system: System, request: BenchRequest, encode: Callable[[str], list[int]] | None = None
 ) -> list[Part]:
-    """The request as the system sends it: documents become Segments on splicing systems. `encode`
-    turns text into token ids for models without a tokenizer."""
+    """The request as the system sends it: documents become Segments on splicing systems that mark
+    them; unmarked, the prompt is one string. `encode` turns text into token ids for models without a
+    tokenizer."""
+    if not system.marked:
+        return [encode(request.text) if encode is not None else request.text]
     parts: list[Part] = []
     for part in request.parts:
         text = part.text if isinstance(part, Doc) else part

@@ -91,6 +91,13 @@ class PrefixCache(ABC):
         access times, no splits)."""
 
     @abstractmethod
+    def borrow(self, namespace: Hashable, token_ids: list[int]) -> PrefixHit:
+        """The blocks of the longest cached prefix of token_ids (every token may hit), to read KV from
+        (the span finder moves an earlier prompt's KV): one reference taken on each for the caller,
+        who drops them with allocator.decref. No stats, no locks, no splits: a referenced block is
+        never handed out again, so its KV stays valid while held even if the cache lets go of it."""
+
+    @abstractmethod
     def on_computed(self, seq: CacheSeq) -> None:
         """seq.num_computed grew: the cache may index the newly completed blocks."""
 
@@ -111,6 +118,9 @@ class NoPrefixCache(PrefixCache):
 
     def peek(self, namespace: Hashable, token_ids: list[int]) -> int:
         return 0
+
+    def borrow(self, namespace: Hashable, token_ids: list[int]) -> PrefixHit:
+        return PrefixHit(0, ())
 
     def on_computed(self, seq: CacheSeq) -> None:
         pass

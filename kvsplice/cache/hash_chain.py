@@ -136,6 +136,18 @@ class HashChainCache(PrefixCache):
             j += 1
         return j * self.block_size
 
+    def borrow(self, namespace: Hashable, token_ids: list[int]) -> PrefixHit:
+        """The chain's blocks as far as they are cached, each referenced for the caller."""
+        state = _RequestBlocks(first_block_extra_keys(namespace))
+        hit: list[int] = []
+        for j in range(len(token_ids) // self.block_size):
+            blocks = self._blocks_by_hash.get(self._block_hash(state, token_ids, j))
+            if blocks is None:
+                break
+            hit.append(next(iter(blocks)))
+        self.allocator.incref(hit)
+        return PrefixHit(len(hit) * self.block_size, tuple(hit))
+
     def on_computed(self, seq: CacheSeq) -> None:
         """Register every block that became full: prompt blocks after prefill, then one block each
         time decoding fills one."""

@@ -166,6 +166,34 @@ class RadixCache(PrefixCache):
             node = child if n == len(child.key) else None
         return pos
 
+    def borrow(self, namespace: Hashable, token_ids: list[int]) -> PrefixHit:
+        """`peek`'s walk without the N-1 cap, taking a reference on each block of the match."""
+        path: list[_Node] = []
+        node, pos = self._roots.get(namespace), 0
+        while node is not None and pos < len(token_ids):
+            child = node.children.get(self._child_key(token_ids, pos))
+            if child is None:
+                break
+            n = _common_prefix_len(child.key, token_ids, pos, min(len(child.key), len(token_ids) - pos))
+            n = n // self.page_size * self.page_size
+            if n == 0:
+                break
+            path.append(child)
+            pos += n
+            node = child if n == len(child.key) else None
+        if pos == 0:
+            return PrefixHit(0, ())
+        blocks = [-1] * ((pos - 1) // self.block_size + 1)
+        # As in acquire: where nodes share a block index, the deepest node's block is the valid one.
+        for step in reversed(path):
+            first = step.start // self.block_size
+            for i, block in enumerate(step.blocks[: len(blocks) - first]):
+                if blocks[first + i] < 0:
+                    blocks[first + i] = block
+        assert min(blocks) >= 0, "the matched path does not cover every block of the hit"
+        self.allocator.incref(blocks)
+        return PrefixHit(pos, tuple(blocks))
+
     def on_computed(self, seq: CacheSeq) -> None:
         """Nothing to do: SGLang inserts a request's tokens when it finishes."""
         self._assert_covers(seq)

@@ -54,12 +54,12 @@ class SegmentStoreStats:
     evictions: int = 0
 
 
-class SegmentListener(Protocol):
-    """Told when an entry enters or leaves the store (KV events: store/recorder.py)."""
+class StoreWatcher(Protocol):
+    """Told of every entry that comes and goes (the span finder indexes what the store holds)."""
 
-    def segment_stored(self, namespace: Hashable, tokens: tuple[int, ...]) -> None: ...
+    def inserted(self, namespace: Hashable, tokens: tuple[int, ...]) -> None: ...
 
-    def segment_removed(self, namespace: Hashable, tokens: tuple[int, ...]) -> None: ...
+    def evicted(self, namespace: Hashable, tokens: tuple[int, ...]) -> None: ...
 
 
 class SegmentStore:
@@ -75,11 +75,14 @@ class SegmentStore:
         self._lru: list[tuple[float, int, tuple[Hashable, tuple[int, ...]]]] = []
         self._counter = 0
         self.stats = SegmentStoreStats()
-        self.listener: SegmentListener | None = None
+        self._watchers: list[StoreWatcher] = []
         allocator.add_reclaimer(self)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def watch(self, watcher: StoreWatcher) -> None:
+        self._watchers.append(watcher)
 
     @property
     def start_position(self) -> int:
@@ -116,8 +119,8 @@ class SegmentStore:
         self._entries[key] = entry
         self.stats.inserted_tokens += len(tokens)
         self._touch(entry)
-        if self.listener is not None:
-            self.listener.segment_stored(namespace, tokens)
+        for watcher in self._watchers:
+            watcher.inserted(namespace, tokens)
 
     def oldest_access(self) -> float | None:
         while self._lru:
@@ -134,8 +137,8 @@ class SegmentStore:
         entry = self._entries.pop(key)
         self.stats.evictions += 1
         self.allocator.decref(reversed(entry.blocks))
-        if self.listener is not None:
-            self.listener.segment_removed(*key)
+        for watcher in self._watchers:
+            watcher.evicted(*key)
 
     def clear(self) -> None:
         while self.oldest_access() is not None:

@@ -166,6 +166,10 @@ class SpanIndex:
         self.num_tokens += n
         self.num_anchors += len(anchors)
 
+    def source_tokens(self, source: Hashable, end: int) -> list[int]:
+        """The first `end` tokens of an indexed source."""
+        return array("i", self._sources[source].data[: end * _TOKEN_BYTES]).tolist()
+
     def remove(self, source: Hashable) -> None:
         """Forget a source (its KV is gone); KeyError if it is not indexed."""
         entry = self._sources.pop(source)

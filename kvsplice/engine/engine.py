@@ -1,6 +1,7 @@
 """The engine: owns the model, the KV pool and the caches, and advances every request one step at a time.
 
-step():  admit waiting requests (scheduler), preparing each one's prefill (reuse path)
+step():  store the KV of segments the last step's prefills missed (kept from those prefills)
+         admit waiting requests (scheduler), preparing each one's prefill (reuse path)
          batch = scheduler.schedule(): decode tokens + prefill chunks under the token budget
          run the decode batch and the chunks (runner); sample, append, finish (output processor)
          spend budget nobody needed on background work: filling the segment store
@@ -16,6 +17,8 @@ import dataclasses
 import itertools
 import time
 from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
 
 import torch
 
@@ -36,9 +39,10 @@ from kvsplice.models.runner import DecodeItem, ModelRunner
 from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.prompt import Prompt, parse_prompt
+from kvsplice.reuse.discover import SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
 from kvsplice.reuse.plan import SpanKind
-from kvsplice.reuse.prefill import Prefill, ReusePath
+from kvsplice.reuse.prefill import MissedSegment, Prefill, ReusePath
 from kvsplice.reuse.store_fill import StoreFill, capture_in_place
 from kvsplice.reuse.work import PrefillWork
 from kvsplice.sampling import SamplingParams, sample
@@ -77,19 +81,28 @@ class Engine:
             self.tokenizer, self.model_config, config.block_size, config.segment_context_tokens
         )
         self.segment_store = SegmentStore(self.pool.allocator, context)
+        # Earlier prompts are kept to search in up to what the pool could hold as KV: ~9 bytes a token
+        # against ~36 KB of KV a token on the default model.
+        finder = (
+            SpanFinder(config.auto_segment_min_tokens, self.pool.capacity_tokens)
+            if config.auto_segments
+            else None
+        )
         store_config = config.store_config()
         self.lower: LowerTiers | None = None
         if store_config.store_dir is not None or store_config.store_url is not None:
             fingerprint = store_fingerprint(self.model_dir, self.model_config, config, context)
             store = TieredStore.from_config(store_config, fingerprint)
             self.lower = LowerTiers(store, self.segment_store, self.pool)
-        self.reuse = ReusePath(self.runner, self.pool, self.segment_store, self.lower)
+        self.reuse = ReusePath(
+            self.runner, self.pool, self.segment_store, self.prefix_cache, finder, self.lower
+        )
         events_config = config.kv_events_config()
         self.events: KVEventRecorder | None = None
         if events_config is not None:
             self.events = KVEventRecorder(KVEventPublisher(events_config), config.block_size)
             self.prefix_cache.listener = self.events
-            self.segment_store.listener = self.events
+            self.segment_store.watch(self.events)
         self.blocks = BlockManager(
             self.pool, self.prefix_cache, self.max_model_len, self.model_config.vocab_size
         )
@@ -106,6 +119,10 @@ class Engine:
         # Segments requests missed, to compute on their own and store; the one being computed.
         self._fills: deque[StoreFill] = deque()
         self._filling: tuple[StoreFill, PrefillWork] | None = None
+        # KV of missed segments to copy into the store, and prompts for the span finder to index (their
+        # KV now computed), at the start of the next step.
+        self._captures: list[_Capture] = []
+        self._to_index: list[tuple[Hashable, tuple[int, ...]]] = []
         self.fills_dropped = 0
 
     # -- requests ---------------------------------------------------------------------------------
@@ -172,11 +189,14 @@ class Engine:
         self._finish(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._fills) or self._filling is not None
+        background = bool(self._fills) or self._filling is not None or bool(self._captures or self._to_index)
+        return self.scheduler.has_work() or background
 
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        # Before admission, so that a request admitted now finds what the last step's prefills missed.
+        self._capture()
         while (admitted := self.scheduler.admit_next()) is not None:
             self._prepare(admitted)
         batch = self.scheduler.schedule()
@@ -235,7 +255,8 @@ class Engine:
         plan, m = prefill.plan, request.metrics
         m.prompt_tokens = request.num_prompt_tokens
         m.prefix_hit_tokens = request.admission.prefix_hit_tokens if request.admission else 0
-        m.segment_hit_tokens = plan.tokens(SpanKind.SPLICED)
+        m.discovered_hit_tokens = plan.discovered_tokens
+        m.segment_hit_tokens = plan.tokens(SpanKind.SPLICED) - m.discovered_hit_tokens
         m.computed_tokens = plan.tokens(SpanKind.COMPUTE)
         m.recomputed_tokens = prefill.recomputed
         m.prefill_flops = prefill.work.flops
@@ -248,19 +269,53 @@ class Engine:
         return [self._sampled(request, logits)]
 
     def _store_missed(self, request: Request, prefill: Prefill) -> None:
-        store, runner = self.segment_store, self.runner
-        for missed in prefill.missed:
-            if self.config.segment_kv == "prompt":
-                captured = capture_in_place(
-                    store, self.pool, runner.cfg, runner.freqs, request.namespace, missed.tokens,
-                    request.seq.block_table, missed.start,
-                )  # fmt: skip
-                if captured and self.lower is not None:
-                    self.lower.write_through(request.namespace, missed.tokens)
+        """Queue the store work for the segments the prefill missed; none of it runs before the first
+        token goes out."""
+        if self.reuse.finder is not None:
+            # Only what the prefix cache keeps under plain token ids, so that what is found there can
+            # be moved from it: the exact part, or under segment keys what precedes the first segment.
+            prompt, admission = request.prompt, request.admission
+            assert admission is not None
+            if admission.segment_keyed:
+                kept = prompt.segments[0].start
             else:
-                self._fills.append(
-                    StoreFill(store, self.pool, runner.num_layers, request.namespace, missed.tokens)
+                exact = prefill.exact_until
+                kept = len(prompt.token_ids) if exact is None else exact
+            self._to_index.append((request.namespace, prompt.token_ids[:kept]))
+        for b in prefill.borrowed:
+            # Copied from the earlier prompt's KV, whose blocks the prefill has held since it was planned.
+            self._captures.append(_Capture(request.namespace, b.blocks, (MissedSegment(b.tokens, b.start),)))
+        if not prefill.missed:
+            return
+        if self.config.segment_kv == "prompt":
+            # Hold the request's blocks up to the last missed token until the copy: the request may
+            # finish, and release them, in this very step.
+            last = max(m.start + len(m.tokens) for m in prefill.missed)
+            blocks = request.seq.block_table[: -(-last // self.pool.block_size)]
+            self.pool.allocator.incref(blocks)
+            self._captures.append(_Capture(request.namespace, blocks, prefill.missed))
+            return
+        store, layers = self.segment_store, self.runner.num_layers
+        for missed in prefill.missed:
+            self._fills.append(StoreFill(store, self.pool, layers, request.namespace, missed.tokens))
+
+    def _capture(self) -> None:
+        """Copy the KV of queued missed segments into the store, and let go of the blocks held for it;
+        index the prompts of finished prefills for the span finder."""
+        store, runner = self.segment_store, self.runner
+        for c in self._captures:
+            for m in c.missed:
+                captured = capture_in_place(
+                    store, self.pool, runner.cfg, runner.freqs, c.namespace, m.tokens, c.blocks, m.start
                 )
+                if captured and self.lower is not None:
+                    self.lower.write_through(c.namespace, m.tokens)
+            self.pool.allocator.decref(reversed(c.blocks))
+        self._captures = []
+        if self.reuse.finder is not None:
+            for namespace, token_ids in self._to_index:
+                self.reuse.finder.remember(namespace, token_ids)
+        self._to_index = []
 
     def _background(self, tokens: int) -> None:
         """One chunk of store-filling work, at most `tokens` long."""
@@ -295,9 +350,23 @@ class Engine:
     def _finish(self, request: Request) -> RequestOutput:
         if request.status is not Status.FINISHED:
             self.scheduler.remove(request)
+        if request.prefill is not None and not request.prefill.work.done:
+            # Aborted mid-prefill: nothing will be stored from the earlier prompts' blocks it held.
+            for b in request.prefill.borrowed:
+                self.pool.allocator.decref(reversed(b.blocks))
         self.blocks.free(request)
         request.metrics.generated_tokens = len(request.output_ids)
         request.metrics.e2e_s = time.perf_counter() - request.arrival
         del self._requests[request.request_id]
         self.outputs.remove(request.request_id)
         return request.to_output()
+
+
+@dataclass(frozen=True)
+class _Capture:
+    """Segments a prefill computed in place and missed in the store; a reference held on each block
+    of `blocks` (the request's, from its first) until their KV is copied."""
+
+    namespace: Hashable
+    blocks: list[int]
+    missed: tuple[MissedSegment, ...]

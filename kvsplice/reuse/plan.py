@@ -23,9 +23,11 @@ class Span:
     kind: SpanKind
     start: int
     end: int
-    # For SPLICED spans: the index of the prompt segment, and where in it the span starts.
+    # For SPLICED spans: the index of the reused segment, and where in it the span starts.
     segment: int | None = None
     segment_offset: int = 0
+    # For SPLICED spans: the segment was found without markup (reuse/discover.py), not marked.
+    discovered: bool = False
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -53,12 +55,25 @@ class Plan:
     def spliced(self) -> list[Span]:
         return [s for s in self.spans if s.kind is SpanKind.SPLICED]
 
+    @property
+    def discovered_tokens(self) -> int:
+        """Spliced tokens of segments found without markup."""
+        return sum(len(s) for s in self.spliced() if s.discovered)
+
     def __str__(self) -> str:
-        return " ".join(f"{s.kind.value}[{s.start}:{s.end})" for s in self.spans)
+        return " ".join(
+            f"{s.kind.value}{'(found)' if s.discovered else ''}[{s.start}:{s.end})" for s in self.spans
+        )
 
 
-def make_plan(num_tokens: int, prefix_hit: int, segments: list[tuple[int, int, int]]) -> Plan:
-    """segments: (start, end, index) of each prompt segment whose KV the store holds, in prompt order.
+def make_plan(
+    num_tokens: int,
+    prefix_hit: int,
+    segments: list[tuple[int, int, int]],
+    discovered: frozenset[int] = frozenset(),
+) -> Plan:
+    """segments: (start, end, index) of each reused segment whose KV the store holds, in prompt order,
+    not overlapping; `discovered`: the indices of those found without markup.
 
     The exact prefix wins where it overlaps a segment; a segment is cut short before the last token.
     """
@@ -73,7 +88,9 @@ def make_plan(num_tokens: int, prefix_hit: int, segments: list[tuple[int, int, i
             continue
         if lo > position:
             spans.append(Span(SpanKind.COMPUTE, position, lo))
-        spans.append(Span(SpanKind.SPLICED, lo, hi, segment=index, segment_offset=lo - start))
+        spans.append(
+            Span(SpanKind.SPLICED, lo, hi, index, segment_offset=lo - start, discovered=index in discovered)
+        )
         position = hi
     spans.append(Span(SpanKind.COMPUTE, position, num_tokens))
     return Plan(num_tokens, tuple(spans))

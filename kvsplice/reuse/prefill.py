@@ -1,30 +1,34 @@
 """The reuse path's entry point: from an admitted prompt to the prefill work that gives it KV.
 
-    prepare(prompt, ...)   look up the prompt's segments in the store, plan the spans, place the
-                           stored KV of spliced spans at their new positions, and ask the repair
-                           policy what to recompute: returns a `Prefill` (the plan, the work, and
-                           what was decided once the work is done)
+    prepare(prompt, ...)   look up the prompt's segments in the store, find the spans it shares
+                           with earlier prompts without markup (when a span finder is given), plan
+                           the spans, place the stored KV of spliced spans at their new positions,
+                           and ask the repair policy what to recompute: returns a `Prefill` (the
+                           plan, the work, and what was decided once the work is done)
 
 A segment the pool's store lacks is first asked of the tiers below it (disk, Redis: lower_tiers.py);
-a hit there is promoted into the pool's store and spliced like any other. Segments no tier holds are
-computed in place with the rest of the prompt (exact for this request) and listed in
-`Prefill.missed`, for the engine to store in the background.
+a hit there is promoted into the pool's store and spliced like any other. Segments no tier holds,
+marked or found, are computed in place with the rest of the prompt (exact for this request) and
+listed in `Prefill.missed`, for the engine to store after the first token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from kvsplice.cache.segments import SegmentEntry, SegmentStore
+from kvsplice.cache.base import PrefixCache
+from kvsplice.cache.segments import SegmentStore
 from kvsplice.kv.pool import KVPool
 from kvsplice.models.runner import ModelRunner
 from kvsplice.options import RepairSettings
 from kvsplice.prompt import ParsedPrompt
 from kvsplice.repair.base import RepairPolicy, RepairTask
 from kvsplice.repair.registry import budget_tokens, make_policy
+from kvsplice.reuse.discover import SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, Promotion
 from kvsplice.reuse.place import move_kv
 from kvsplice.reuse.plan import Plan, Span, SpanKind, make_plan
@@ -92,6 +96,26 @@ class MissedSegment:
     start: int
 
 
+@dataclass(frozen=True)
+class BorrowedSpan:
+    """A found span whose KV this prefill moved from an earlier prompt's blocks in the prefix cache. A
+    reference is held on each of `blocks` (the earlier prompt's, from its first) until the engine has
+    copied the span into the store."""
+
+    tokens: tuple[int, ...]
+    blocks: list[int]
+    # The span's position in the earlier prompt.
+    start: int
+
+
+class _KVSource(NamedTuple):
+    """Where a reused segment's KV is: slots slot.. of `blocks`, computed at positions position.."""
+
+    blocks: Sequence[int]
+    slot: int
+    position: int
+
+
 @dataclass
 class Prefill:
     plan: Plan
@@ -102,6 +126,8 @@ class Prefill:
     missed: tuple[MissedSegment, ...]
     # Segments found below the pool and promoted into it for this prefill.
     promoted: tuple[Promotion, ...] = ()
+    # Found spans the store lacked, moved from earlier prompts' KV: to store, then to let go of.
+    borrowed: tuple[BorrowedSpan, ...] = ()
 
     @property
     def recomputed(self) -> int:
@@ -119,12 +145,25 @@ class Prefill:
 
 class ReusePath:
     def __init__(
-        self, runner: ModelRunner, pool: KVPool, store: SegmentStore, lower: LowerTiers | None = None
+        self,
+        runner: ModelRunner,
+        pool: KVPool,
+        store: SegmentStore,
+        prefix_cache: PrefixCache,
+        finder: SpanFinder | None = None,
+        lower: LowerTiers | None = None,
     ) -> None:
+        """finder: finds reusable spans in prompts without markup (None: only marked segments); their
+        KV comes from the store, or from earlier prompts' blocks in `prefix_cache`. lower: the tiers
+        below the pool (None: none)."""
         self.runner = runner
         self.pool = pool
         self.store = store
+        self.prefix_cache = prefix_cache
+        self.finder = finder
         self.lower = lower
+        if finder is not None:
+            store.watch(finder)
 
     def prepare(
         self,
@@ -145,24 +184,52 @@ class ReusePath:
         # Promotions allocate, which may evict entries: all of them first, then the lookups, whose
         # entries stay valid until _place is done.
         promoted = self._promote(namespace, list(wanted.values()))
-        entries: dict[int, SegmentEntry] = {}
+        # Per reused segment: where its KV is.
+        sources: dict[int, _KVSource] = {}
         available: list[tuple[int, int, int]] = []
         missed: list[MissedSegment] = []
         for index, tokens in wanted.items():
             span = prompt.segments[index]
             entry = self.store.lookup(namespace, tokens)
             if entry is not None:
-                entries[index] = entry
+                sources[index] = _KVSource(entry.blocks, 0, self.store.start_position)
                 available.append((span.start, span.end, index))
             elif span.start >= prefix_hit and all(m.tokens != tokens for m in missed):
                 missed.append(MissedSegment(tokens, span.start))
-        plan = make_plan(n, prefix_hit, available)
-        for spliced in plan.spliced():
-            assert spliced.segment is not None
-            self._place(block_table, spliced, entries[spliced.segment])
+        discovered: set[int] = set()
+        borrowed: list[BorrowedSpan] = []
+        if self.finder is not None:
+            covered = [(0, prefix_hit), *((s.start, s.end) for s in prompt.segments)]
+            found = self.finder.find(namespace, prompt.token_ids, covered)
+            index = len(prompt.segments)
+            for reused in found.reused:
+                entry = self.store.lookup(namespace, reused.tokens)
+                assert entry is not None, "the finder indexes only what the store holds"
+                position = self.store.start_position + reused.offset
+                sources[index] = _KVSource(entry.blocks, reused.offset, position)
+                available.append((reused.start, reused.end, index))
+                index += 1
+            for seen in found.new:
+                tokens = prompt.token_ids[seen.start : seen.end]
+                hit = self.prefix_cache.borrow(namespace, seen.earlier)
+                if hit.num_tokens < len(seen.earlier):
+                    self.pool.allocator.decref(reversed(hit.blocks))
+                    if all(m.tokens != tokens for m in missed):
+                        missed.append(MissedSegment(tokens, seen.start))
+                    continue
+                start = len(seen.earlier) - len(tokens)
+                borrowed.append(BorrowedSpan(tokens, list(hit.blocks), start))
+                sources[index] = _KVSource(hit.blocks, start, start)
+                available.append((seen.start, seen.end, index))
+                index += 1
+            discovered = set(range(len(prompt.segments), index))
+        plan = make_plan(n, prefix_hit, sorted(available), frozenset(discovered))
+        self._place(block_table, plan.spliced(), sources)
         policy = make_policy(settings.policy)
-        reused = plan.tokens(SpanKind.SPLICED)
-        budget = budget_tokens(reused, settings.ratio, settings.tokens) if policy.budgeted else reused
+        if self.finder is not None and discovered and not policy.exact:
+            missed += self._unkept(prompt, plan, missed)
+        spliced = plan.tokens(SpanKind.SPLICED)
+        budget = budget_tokens(spliced, settings.ratio, settings.tokens) if policy.budgeted else spliced
         run = RepairRun(
             policy, RepairTask(plan, budget, self.runner.num_layers, self.runner.cfg, settings.target)
         )
@@ -174,7 +241,7 @@ class ReusePath:
             need_logits=True,
             next_pass=run.next_pass,
         )
-        return Prefill(plan, budget, work, run, tuple(missed), promoted)
+        return Prefill(plan, budget, work, run, tuple(missed), promoted=promoted, borrowed=tuple(borrowed))
 
     def _promote(self, namespace: Hashable, segments: list[tuple[int, ...]]) -> tuple[Promotion, ...]:
         """Load the segments the pool's store lacks from the tiers below, where they hold them."""
@@ -188,15 +255,46 @@ class ReusePath:
                     promoted.append(hit)
         return tuple(promoted)
 
-    def _place(self, table: Sequence[int], span: Span, entry: SegmentEntry) -> None:
-        """Move a stored segment's KV (from its token span.segment_offset on) to the span's positions."""
+    def _unkept(self, prompt: ParsedPrompt, plan: Plan, missed: list[MissedSegment]) -> list[MissedSegment]:
+        """Computed stretches after the first spliced token, for the store. Their KV reads approximate
+        KV, so the prefix cache (plain token ids) will not keep it; stored, a later prompt that carries
+        them finds them there, as it would a marked segment stored at first sight."""
+        assert self.finder is not None
+        first = plan.spliced()[0].start
+        marked = [(s.start, s.end) for s in prompt.segments] + [
+            (m.start, m.start + len(m.tokens)) for m in missed
+        ]
+        kept = []
+        for span in plan.spans:
+            end = min(span.end, plan.num_tokens - 1)  # the last token is always computed anew
+            if (
+                span.kind is not SpanKind.COMPUTE
+                or span.start < first
+                or end - span.start < self.finder.min_tokens
+            ):
+                continue
+            if any(s < end and span.start < e for s, e in marked):
+                continue  # a marked segment or a found span, stored on its own
+            kept.append(MissedSegment(prompt.token_ids[span.start : end], span.start))
+        return kept
+
+    def _place(self, table: Sequence[int], spans: list[Span], sources: dict[int, _KVSource]) -> None:
+        """Move each spliced span's KV (its segment's from token span.segment_offset on) to the span's
+        positions, all spans in one move: each costs a few small ops per layer, which add up."""
+        if not spans:
+            return
         device = self.pool.device
-        local = torch.arange(span.end - span.start, device=device) + span.segment_offset
-        dst_pos = torch.arange(span.start, span.end, device=device)
-        src = self.pool.slots(entry.blocks, local)
-        dst = self.pool.slots(list(table), dst_pos)
-        delta = dst_pos - self.store.start_position - local
-        move_kv(self.pool, self.runner.cfg, self.runner.freqs, src, dst, delta)
+        src, dst, delta = [], [], []
+        for span in spans:
+            assert span.segment is not None
+            source = sources[span.segment]
+            local = torch.arange(span.end - span.start, device=device) + span.segment_offset
+            dst_pos = torch.arange(span.start, span.end, device=device)
+            src.append(self.pool.slots(list(source.blocks), local + source.slot))
+            dst.append(dst_pos)
+            delta.append(dst_pos - source.position - local)
+        dst_slots = self.pool.slots(list(table), torch.cat(dst))
+        move_kv(self.pool, self.runner.cfg, self.runner.freqs, torch.cat(src), dst_slots, torch.cat(delta))
 
 
 def _union(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:

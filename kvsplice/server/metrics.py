@@ -69,7 +69,11 @@ class ServerMetrics:
             "kvsplice:prefix_hit_tokens", "Prompt tokens whose KV came exactly from the prefix cache"
         ).labels(m)
         self.segment_hit_tokens = counter(
-            "kvsplice:segment_hit_tokens", "Prompt tokens whose KV was reused from the segment store"
+            "kvsplice:segment_hit_tokens", "Prompt tokens of marked segments whose KV was reused"
+        ).labels(m)
+        self.discovered_hit_tokens = counter(
+            "kvsplice:discovered_hit_tokens",
+            "Prompt tokens of spans found without markup (auto_segments) whose KV was reused",
         ).labels(m)
         self.store_hit_tokens = Counter(
             "kvsplice:store_hit_tokens",
@@ -111,6 +115,7 @@ class ServerMetrics:
         self.segment_hit_tokens.inc(m.segment_hit_tokens)
         for tier, tokens in m.store_hit_tokens.items():
             self.store_hit_tokens.labels(self.model_name, tier).inc(tokens)
+        self.discovered_hit_tokens.inc(m.discovered_hit_tokens)
         self.recomputed_tokens.inc(m.recomputed_tokens)
         self.computed_tokens.inc(m.computed_tokens)
 

@@ -143,13 +143,15 @@ def usage(metrics: list[RequestMetrics]) -> dict[str, Any]:
     completion = sum(m.generated_tokens for m in metrics)
     prefix = sum(m.prefix_hit_tokens for m in metrics)
     segment = sum(m.segment_hit_tokens for m in metrics)
+    discovered = sum(m.discovered_hit_tokens for m in metrics)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": prefix + segment},
+        "prompt_tokens_details": {"cached_tokens": prefix + segment + discovered},
         "prefix_hit_tokens": prefix,
         "segment_hit_tokens": segment,
+        "discovered_hit_tokens": discovered,
         "recomputed_tokens": sum(m.recomputed_tokens for m in metrics),
         "store_hit_tokens": sum(sum(m.store_hit_tokens.values()) for m in metrics),
     }

@@ -26,7 +26,7 @@ from kvsplice.store.publisher import KVEventPublisher
 
 
 class KVEventRecorder:
-    """A `BlockListener` and a `SegmentListener` (cache/base.py, cache/segments.py)."""
+    """A `BlockListener` and a `StoreWatcher` (cache/base.py, cache/segments.py)."""
 
     def __init__(self, publisher: KVEventPublisher, block_size: int, hash_seed: str = "") -> None:
         """hash_seed: llm-d's HashSeed (vLLM's PYTHONHASHSEED), "" by default on both sides."""
@@ -55,10 +55,10 @@ class KVEventRecorder:
         hashes = tuple(self._hash_of_block.pop(block) for block in blocks)
         self._pending.append(BlockRemoved(hashes))
 
-    def segment_stored(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
+    def inserted(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
         self._pending.append(SegmentStored(segment_hash(salt_key(namespace), tokens), len(tokens)))
 
-    def segment_removed(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
+    def evicted(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
         self._pending.append(SegmentRemoved(segment_hash(salt_key(namespace), tokens)))
 
     def flush(self) -> None:
