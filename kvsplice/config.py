@@ -28,7 +28,8 @@ def _opt(help_text: str, **kwargs: Any) -> Any:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = _opt(
-        "Hugging Face model directory or .gguf file (default: Gemma 3 270M)", default=None
+        "model name (gemma3-270m, smollm2), Hugging Face directory or .gguf file (default: gemma3-270m)",
+        default=None,
     )
     device: str = _opt("torch device to run on", default="cpu")
     dtype: str = _opt("compute dtype", default="float32")
@@ -192,9 +193,14 @@ class EngineConfig:
         return DTYPES[self.kv_dtype]
 
     @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        """Add one --option per field to a CLI parser."""
+    def add_args(
+        parser: argparse.ArgumentParser | argparse._ArgumentGroup, exclude: frozenset[str] = frozenset()
+    ) -> None:
+        """Add one --option per field to a CLI parser, but for the fields in `exclude` (the bench sets
+        those per engine)."""
         for f in dataclasses.fields(EngineConfig):
+            if f.name in exclude:
+                continue
             flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
             if str(f.type) == "bool":
                 on_off = argparse.BooleanOptionalAction  # --flag / --no-flag
@@ -205,7 +211,10 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        """The configuration a parser built by add_args parsed (excluded fields keep their defaults)."""
+        return cls(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        )
 
 
 def _check(ok: bool, message: str) -> None:

@@ -11,6 +11,7 @@ import pytest
 from kvsplice.bench import BenchConfig, BenchResult, WorkloadSpec, run_bench, write_report
 from kvsplice.bench.systems import default_systems
 from kvsplice.cli import main
+from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine
 from tests import tiny_models
 
@@ -25,7 +26,8 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(workload: str, model: Path, **kwargs) -> BenchConfig:
-    base = dict(spec=SMALL, model=str(model), continuation=4, progress=False, num_threads=1, kv_cache_gb=0.2)
+    engine = EngineConfig(model=str(model), num_threads=1)
+    base = dict(spec=SMALL, engine=engine, continuation=4, progress=False, kv_cache_gb=0.2)
     base.update(kwargs)
     return BenchConfig(workload, **base)  # type: ignore[arg-type]
 
@@ -99,10 +101,14 @@ def test_cli_runs_a_bench_and_refuses_bad_names(
     args = ["bench", "qa", "--model", str(tiny_dir), "--requests", "1", "--docs", "2", "--pool", "3"]
     args += ["--doc-words", "30", "--continuation", "2", "--num-threads", "1", "--no-progress"]
     args += ["--systems", "radix", "splice:none@0", "--out", str(tmp_path), "--no-plots"]
+    # Engine options are EngineConfig's flags, as for kvsplice serve.
+    args += ["--block-size", "8"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "| splice:none@0 | 1/1 |" in out and "# kvsplice bench: qa" in out
-    assert json.loads((tmp_path / "results.json").read_text())["systems"] == ["off", "radix", "splice:none@0"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["systems"] == ["off", "radix", "splice:none@0"]
+    assert saved["model"]["block_size"] == 8
     assert not (tmp_path / "frontier.png").exists()
 
     assert main(["bench", "rag", "--systems", "splice:lru"]) == 2
@@ -122,7 +128,7 @@ def test_default_model_rag_smoke(tmp_path: Path) -> None:
         progress=False,
         kv_cache_gb=0.5,
         # One thread: on a busy 2-core machine two threads wait on each other (4x slower here).
-        num_threads=1,
+        engine=EngineConfig(num_threads=1),
     )
     result = run_bench(config)
     by = {s.system: s for s in result.summaries}

@@ -11,6 +11,7 @@ from pathlib import Path
 from kvsplice.bench.base import WorkloadSpec
 from kvsplice.bench.systems import DEFAULT_BUDGETS, DEFAULT_SYSTEMS, SWEEP_BUDGETS, parse_systems
 from kvsplice.bench.workloads import make_workload
+from kvsplice.config import EngineConfig
 from kvsplice.errors import ConfigError
 
 WORKLOAD_HELP = {
@@ -22,6 +23,14 @@ WORKLOAD_HELP = {
     "recall": "multi-document fact recall with same-kind distractors, 4, 8 and 12 documents, the answer "
     "first, middle or last; accuracy with confidence intervals by setting and position",
 }
+
+
+# Engine fields each system or the bench itself decides: the prefix cache and the repair are the
+# system's, the pool is sized per engine from --kv-cache-gb, requests run one at a time and greedy
+# (--seed is the workload's).
+SET_PER_ENGINE = frozenset(
+    {"prefix_cache", "repair", "recompute_ratio", "recompute_tokens", "kv_cache_gb", "max_num_seqs", "seed"}
+)
 
 
 def _numbers(text: str) -> list[float]:
@@ -91,20 +100,11 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
     run = parser.add_argument_group("run")
     run.add_argument("--out", type=Path, default=None, help="output directory (default: out/bench/WORKLOAD)")
     run.add_argument("--continuation", type=int, default=16, help="greedy tokens compared per request")
-    run.add_argument(
-        "--model",
-        default=None,
-        help="model name (gemma3-270m, smollm2), directory or .gguf (default: gemma3-270m)",
-    )
-    run.add_argument(
-        "--num-threads", type=int, default=None, help="torch threads (default: the engine's, half the CPUs)"
-    )
-    run.add_argument("--dtype", default="float32")
-    run.add_argument("--kv-dtype", default="float32")
-    run.add_argument("--block-size", type=int, default=16)
     run.add_argument("--kv-cache-gb", type=float, default=8.0, help="all engines' KV pools together, at most")
     run.add_argument("--no-plots", action="store_true")
     run.add_argument("--no-progress", action="store_true")
+    engine = parser.add_argument_group("engine (as for kvsplice serve; the systems set the rest)")
+    EngineConfig.add_args(engine, exclude=SET_PER_ENGINE)
     parser.set_defaults(run=_bench)
 
 
@@ -132,11 +132,7 @@ def _bench(args: argparse.Namespace) -> None:
             budgets=budgets,
             unmarked=args.unmarked,
             continuation=args.continuation,
-            model=args.model,
-            num_threads=args.num_threads,
-            dtype=args.dtype,
-            kv_dtype=args.kv_dtype,
-            block_size=args.block_size,
+            engine=EngineConfig.from_args(args),
             kv_cache_gb=args.kv_cache_gb,
             progress=not args.no_progress,
             command=shlex.join(["kvsplice", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else "",

@@ -44,7 +44,7 @@ from kvsplice.bench.systems import (
     unmarked,
 )
 from kvsplice.bench.workloads import make_workload
-from kvsplice.config import DTYPES
+from kvsplice.config import DTYPES, EngineConfig
 from kvsplice.engine.engine import Engine
 from kvsplice.kv.pool import bytes_per_block
 from kvsplice.llm import LLM
@@ -69,11 +69,9 @@ class BenchConfig:
     unmarked: bool = False
     # Greedy continuation length compared with the reference's.
     continuation: int = 16
-    model: str | None = None
-    num_threads: int | None = None
-    dtype: str = "float32"
-    kv_dtype: str = "float32"
-    block_size: int = 16
+    # Every engine's options (model, threads, dtypes, store, ...); the bench sets, per engine, its
+    # prefix cache, auto_segments, its pool size and max_num_seqs=1 (bench/cli.py: SET_PER_ENGINE).
+    engine: EngineConfig = field(default_factory=EngineConfig)
     # All KV pools together at most (each is sized to what the workload can ever write).
     kv_cache_gb: float = 8.0
     progress: bool = True
@@ -93,13 +91,15 @@ class _Run:
         self.workload = workload
         self.systems = systems
         self.notes: list[str] = []
-        self.model_dir = resolve_model_dir(config.model)
+        self.model_dir = resolve_model_dir(config.engine.model)
         self.model_cfg = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = (
             Tokenizer.from_dir(self.model_dir) if (self.model_dir / "tokenizer.json").exists() else None
         )
         self.encode = None if self.tokenizer else WordHashEncoder(self.model_cfg.vocab_size)
-        self.block_bytes = bytes_per_block(self.model_cfg, config.block_size, DTYPES[config.kv_dtype])
+        self.block_bytes = bytes_per_block(
+            self.model_cfg, config.engine.block_size, DTYPES[config.engine.kv_dtype]
+        )
         self.pools = self._size_pools()
         self.engines = {key: self._engine(key, gib) for key, gib in self.pools.items()}
         self.params = SamplingParams(
@@ -126,7 +126,7 @@ class _Run:
     def _size_pools(self) -> dict[str, float]:
         """GiB per engine: enough for everything the workload can ever write, so nothing is evicted,
         unless that exceeds config.kv_cache_gb; then the shared engines are cut down (and it is noted)."""
-        bs = self.config.block_size
+        bs = self.config.engine.block_size
         cache: dict[str, int] = {}
         requests = [
             -(-(self._num_tokens(r, cache) + self.config.continuation) // bs) for r in self.workload.requests
@@ -159,18 +159,15 @@ class _Run:
     def _engine(self, key: str, gib: float) -> _Engine:
         c = self.config
         try:
-            llm = LLM(
-                c.model,
+            engine = dataclasses.replace(
+                c.engine,
                 prefix_cache="radix" if key == SPLICE_ENGINE else key,
                 # The prefix-cache systems and the reference reuse nothing beyond the prefix.
-                auto_segments=key == SPLICE_ENGINE,
+                auto_segments=c.engine.auto_segments and key == SPLICE_ENGINE,
                 kv_cache_gb=gib,
-                num_threads=c.num_threads,
-                dtype=c.dtype,
-                kv_dtype=c.kv_dtype,
-                block_size=c.block_size,
                 max_num_seqs=1,
             )
+            llm = LLM(**dataclasses.asdict(engine))
         except Exception as err:  # every system on this engine is then reported as failed
             self.notes.append(f"engine {key!r} failed to start: {type(err).__name__}: {err}")
             return _Engine(None, f"engine failed to start: {type(err).__name__}: {err}")
@@ -345,7 +342,7 @@ def run_bench(config: BenchConfig, workload: Workload | None = None) -> BenchRes
 def _model_info(run: _Run) -> ModelInfo | None:
     llm = next((e.llm for e in run.engines.values() if e.llm is not None), None)
     params = sum(p.numel() for p in llm.engine.model.parameters()) if llm is not None else 0
-    cfg, c = run.model_cfg, run.config
+    cfg, c = run.model_cfg, run.config.engine
     name = c.model if c.model is not None else "Gemma 3 270M (the default: its Q4_K_M GGUF, dequantised)"
     return ModelInfo(
         name=name,
