@@ -162,3 +162,19 @@ def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_ba
     rounds = run(0.01, [a, b, a, b, a, b, a, b])
     assert [len(r) for r in rounds] == [5, 5, 10, 20, 100]
     assert rounds[-1] == tuple(range(1, 101))
+
+
+def test_lead_recomputes_the_first_reused_segment_first_then_by_the_question() -> None:
+    from tests.tiny_models import COMMON
+
+    cfg = ModelConfig.from_dict(
+        {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+    )
+    plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
+    task = RepairTask(plan, 4, num_layers=4, model=cfg)
+    policy = make_policy("lead")
+    probe = policy.decide(task).probe
+    assert probe is not None
+    # The question attends most to 8 and 7; the lead segment (2..4) goes first whatever it scores.
+    probe.observer.score = torch.tensor([9.0, 9, 0.1, 0.2, 0.3, 9, 0.4, 5, 6, 9, 9, 9])  # type: ignore[attr-defined]
+    assert policy.choose(task, probe, None) == (2, 3, 4, 8)

@@ -53,6 +53,7 @@ BUDGETS = (4096, 8, 7)
         "spliced_recency",
         "spliced_deviation",
         "spliced_query",
+        "spliced_lead",
         "spliced_adaptive",
         "spliced_full",
     ],

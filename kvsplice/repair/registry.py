@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvsplice.repair.adaptive import AdaptiveRepair
 from kvsplice.repair.base import RepairPolicy
 from kvsplice.repair.policies import BoundaryRepair, DeviationRepair, FullRepair, NoRepair, RecencyRepair
-from kvsplice.repair.query import QueryRepair
+from kvsplice.repair.query import LeadQueryRepair, QueryRepair
 
 POLICIES: dict[str, type[RepairPolicy]] = {
     cls.name: cls
@@ -15,6 +15,7 @@ POLICIES: dict[str, type[RepairPolicy]] = {
         DeviationRepair,
         RecencyRepair,
         QueryRepair,
+        LeadQueryRepair,
         AdaptiveRepair,
         FullRepair,
     )
