@@ -42,6 +42,7 @@ import openai
 import torch
 
 from kvsplice.bench import corpus
+from kvsplice.bench.metrics import percentile
 from kvsplice.bench.results import cpu_name, load_average
 from kvsplice.bench.server_process import serve
 
@@ -80,8 +81,9 @@ class Stream:
         return sum(s.prompt_tokens for s in self.sent) / self.wall_s
 
     def ttft(self, q: float) -> float:
-        ordered = sorted(s.ttft_s for s in self.sent)
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+        value = percentile([s.ttft_s for s in self.sent], q)
+        assert value is not None, "a stream sends at least one request"
+        return value
 
 
 def prompt(system: str, docs: list[str]) -> str | list[dict[str, str]]:
@@ -217,8 +219,8 @@ def report(
             radix = by_key[(s.stream, s.clients, "radix")]
             lines.append(
                 f"| {s.stream} | {s.clients} | {system} | {row.computed_share:.2f} | {row.throughput:.0f} "
-                f"| {row.throughput / radix.throughput:.2f}x | {row.ttft(0.5):.2f} s "
-                f"| {row.ttft(0.99):.2f} s | {row.ttft(0.5) / radix.ttft(0.5):.2f}x |"
+                f"| {row.throughput / radix.throughput:.2f}x | {row.ttft(50):.2f} s "
+                f"| {row.ttft(99):.2f} s | {row.ttft(50) / radix.ttft(50):.2f}x |"
             )
     lines += [
         "",

@@ -33,6 +33,7 @@ from pathlib import Path
 import openai
 import torch
 
+from kvsplice.bench.metrics import percentile
 from kvsplice.bench.results import cpu_name, load_average
 from kvsplice.bench.server_process import serve
 from kvsplice.loader.gguf import convert_gguf, default_model_path
@@ -56,11 +57,6 @@ class Measured:
     @property
     def throughput(self) -> float:
         return self.window_tokens / self.long_prefill_s
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def measure(url: str, m: Measured, long_ids: list[int], args: argparse.Namespace) -> None:
@@ -140,7 +136,7 @@ def report(rows: list[Measured], args: argparse.Namespace, prompt_tokens: int) -
     ]
     for m in rows:
         idle = statistics.median(m.idle_itl)
-        p50, p99 = percentile(m.busy_itl, 0.5), percentile(m.busy_itl, 0.99)
+        p50, p99 = percentile(m.busy_itl, 50), percentile(m.busy_itl, 99)
         lines.append(
             f"| {m.name} | `{m.budget}` | {idle * 1000:.0f} ms | {p50 * 1000:.0f} ms | {p99 * 1000:.0f} ms "
             f"| {p99 / idle:.1f}x | {m.short_ttft_s:.2f} s | {m.long_prefill_s:.1f} s | {m.throughput:.0f} "

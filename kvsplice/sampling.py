@@ -68,3 +68,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def kl_divergence(reference: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(P_ref || P) in nats, from logits [vocab] (computed in float64)."""
+    log_p = torch.log_softmax(reference.double(), -1)
+    log_q = torch.log_softmax(logits.double(), -1)
+    return max(0.0, float((log_p.exp() * (log_p - log_q)).sum()))

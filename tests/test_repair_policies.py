@@ -106,13 +106,19 @@ def test_budget(spliced: int, ratio: float, tokens: int | None, expected: int) -
     assert budget_tokens(spliced, ratio, tokens) == expected
 
 
-def test_query_probes_the_question_and_recomputes_what_it_attends_to() -> None:
-    from kvsplice.repair.query import QueryAttentionObserver, probe_layers
+def _tiny_llama() -> ModelConfig:
+    """A model without sliding windows, for the policies that read its layer types."""
     from tests.tiny_models import COMMON
 
-    cfg = ModelConfig.from_dict(
+    return ModelConfig.from_dict(
         {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
     )
+
+
+def test_query_probes_the_question_and_recomputes_what_it_attends_to() -> None:
+    from kvsplice.repair.query import QueryAttentionObserver, probe_layers
+
+    cfg = _tiny_llama()
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
     task = RepairTask(plan, 2, num_layers=4, model=cfg)
     policy = make_policy("query")
@@ -127,13 +133,11 @@ def test_query_probes_the_question_and_recomputes_what_it_attends_to() -> None:
 
 
 def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_back() -> None:
-    from kvsplice.repair.adaptive import AdaptiveRepair, kl_divergence
+    from kvsplice.repair.adaptive import AdaptiveRepair
     from kvsplice.repair.query import QueryAttentionObserver
-    from tests.tiny_models import COMMON
+    from kvsplice.sampling import kl_divergence
 
-    cfg = ModelConfig.from_dict(
-        {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
-    )
+    cfg = _tiny_llama()
     # 100 spliced tokens (positions 1..100) and a question (101..103); ranked by position, descending.
     plan = make_plan(104, 1, [(1, 101, 0)])
 
@@ -165,11 +169,7 @@ def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_ba
 
 
 def test_lead_recomputes_the_first_reused_segment_first_then_by_the_question() -> None:
-    from tests.tiny_models import COMMON
-
-    cfg = ModelConfig.from_dict(
-        {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
-    )
+    cfg = _tiny_llama()
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
     task = RepairTask(plan, 4, num_layers=4, model=cfg)
     policy = make_policy("lead")

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvsplice.sampling import kl_divergence
+
 if TYPE_CHECKING:
     from kvsplice.bench.base import BenchRequest
 
@@ -134,13 +136,6 @@ class TurnSummary:
 
 
 # -- fidelity ------------------------------------------------------------------------------------------
-
-
-def kl_divergence(reference: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(P_ref || P) in nats, from logits [vocab] (computed in float64)."""
-    log_p = torch.log_softmax(reference.double(), -1)
-    log_q = torch.log_softmax(logits.double(), -1)
-    return max(0.0, float((log_p.exp() * (log_p - log_q)).sum()))
 
 
 def top1_agree(reference: torch.Tensor, logits: torch.Tensor) -> bool:

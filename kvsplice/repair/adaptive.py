@@ -24,20 +24,14 @@ import math
 import torch
 
 from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask
-from kvsplice.repair.query import QueryAttentionObserver, probe_layers
+from kvsplice.repair.query import QueryAttentionObserver, question_probe
 from kvsplice.reuse.plan import SpanKind
+from kvsplice.sampling import kl_divergence
 
 FIRST_SHARE = 0.05
 # Beyond this share a spliced prefill saves at most half of a full one's work, and a repair that is
 # still moving the answer there is not close to converging: pay for the full prefill instead.
 FALLBACK_SHARE = 0.5
-
-
-def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(p || q) in nats between the softmax distributions of two logit vectors [vocab]."""
-    p_log = torch.log_softmax(p_logits.float(), dim=-1)
-    q_log = torch.log_softmax(q_logits.float(), dim=-1)
-    return float((p_log.exp() * (p_log - q_log)).sum())
 
 
 class AdaptiveRepair(RepairPolicy):
@@ -53,15 +47,10 @@ class AdaptiveRepair(RepairPolicy):
         self._last: torch.Tensor | None = None
 
     def decide(self, task: RepairTask) -> RepairDecision:
-        plan = task.plan
-        spliced = plan.positions(SpanKind.SPLICED)
-        if not spliced:
+        if not task.plan.positions(SpanKind.SPLICED):
             return RepairDecision()
-        assert task.model is not None, "the adaptive policy needs the model's layer types"
-        question = tuple(p for p in plan.positions(SpanKind.COMPUTE) if p > spliced[-1])
-        layers = probe_layers(task.model)
-        observer = QueryAttentionObserver(question, layers, plan.num_tokens, task.model.attn_scale)
-        return RepairDecision(probe=Probe((), task.num_layers - 1, observer, resume=False))
+        # Through every layer: the probe's logits are the first estimate.
+        return RepairDecision(probe=question_probe(task, task.num_layers - 1))
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, QueryAttentionObserver) and logits is not None

@@ -61,6 +61,19 @@ def probe_layers(cfg: ModelConfig) -> frozenset[int]:
     return frozenset(i for i in global_layers if i <= later[0]) | {later[0]}
 
 
+def question_probe(task: RepairTask, last_layer: int) -> Probe:
+    """A probe of the question's attention to the reused tokens on the probe layers: the computed tokens
+    after the last reused one run through layers 0..last_layer (recomputing no reused token) and start
+    again from the first layer afterwards."""
+    plan = task.plan
+    assert task.model is not None, "probing the question needs the model's layer types"
+    last_spliced = plan.positions(SpanKind.SPLICED)[-1]
+    question = tuple(p for p in plan.positions(SpanKind.COMPUTE) if p > last_spliced)
+    layers = probe_layers(task.model)
+    observer = QueryAttentionObserver(question, layers, plan.num_tokens, task.model.attn_scale)
+    return Probe((), last_layer, observer, resume=False)
+
+
 class QueryRepair(RepairPolicy):
     """Recompute the reused tokens the question attends to most (kvsplice's query-aware policy)."""
 
@@ -74,10 +87,7 @@ class QueryRepair(RepairPolicy):
         if task.budget >= len(spliced):
             return RepairDecision(tuple(spliced))
         assert task.model is not None, "the query policy needs the model's layer types"
-        question = tuple(p for p in plan.positions(SpanKind.COMPUTE) if p > spliced[-1])
-        layers = probe_layers(task.model)
-        observer = QueryAttentionObserver(question, layers, plan.num_tokens, task.model.attn_scale)
-        return RepairDecision(probe=Probe((), max(layers), observer, resume=False))
+        return RepairDecision(probe=question_probe(task, max(probe_layers(task.model))))
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, QueryAttentionObserver)
