@@ -150,6 +150,8 @@ def test_groups_by_setting_and_position_with_paired_differences() -> None:
     diff = four.accuracy_diff
     assert diff is not None and diff.estimate == pytest.approx(-1 / 3) and diff.low < -0.5 and diff.high > 0
     assert four.kl_mean == pytest.approx((4 * 0.1 + 2 * 0.5) / 6)
+    # Every KL of the splice system is above 0.05; the reference's are 0.
+    assert four.close_rate == 0 and by[("4 docs", ALL, "off")].close_rate == 1
     # A failed request counts as failed, never as wrong, and is not paired.
     eight = by[("8 docs", ALL, "splice:none@0")]
     assert (eight.requests, eight.failed) == (6, 1) and eight.accuracy is not None
@@ -187,7 +189,7 @@ def test_report_shows_the_breakdown_and_round_trips(tmp_path: Path) -> None:
     text = markdown(result)
     assert "## By setting and answer position" in text
     assert "### 4 docs" in text and "### 8 docs" in text and "### All settings" in text
-    assert "| middle | splice:none@0 | 2/2 | 0% [0–66] | -100 [-100, -7] | 0.5000 | 0% | – |" in text
+    assert "| middle | splice:none@0 | 2/2 | 0% [0–66] | -100 [-100, -7] | 0.5000 | 0% | 0% | – |" in text
     assert "| all | off | 6/6 | 100% [61–100] | – |" in text
     assert "| all | splice:none@0 | 5/6 (1 failed) |" not in text and "| all | splice:none@0 | 5/6 |" in text
     again = BenchResult.from_json(result.to_json())

@@ -10,7 +10,9 @@ import torch
 
 from kvsplice.bench.base import BenchRequest, Doc
 from kvsplice.bench.metrics import (
+    KL_CLOSE,
     RequestRecord,
+    close_rate,
     compare,
     first_line,
     is_correct,
@@ -128,6 +130,7 @@ def test_summaries_count_failures_and_average_over_completed_requests() -> None:
     assert splice.prefix_hit_frac == pytest.approx(0.1) and splice.segment_hit_frac == pytest.approx(0.8)
     assert splice.flops_frac == pytest.approx(0.25)
     assert splice.kl_mean == pytest.approx(0.2) and splice.top1_rate == 0.0 and splice.accuracy == 1.0
+    assert (off.close_rate, splice.close_rate, hash_.close_rate) == (1.0, 0.0, None)
     assert splice.peak_kv_bytes == 2048
     assert (hash_.requests, hash_.failed, hash_.ttft_p50_s) == (2, 2, None)
 
@@ -135,7 +138,13 @@ def test_summaries_count_failures_and_average_over_completed_requests() -> None:
     lines = table.splitlines()
     assert "same 16" in lines[0]
     assert "1/2 (**1 failed**)" in lines[3]
-    assert lines[4].startswith("| hash | 0/2 (**2 failed**) |") and lines[4].count("failed") == 16
+    assert lines[4].startswith("| hash | 0/2 (**2 failed**) |") and lines[4].count("failed") == 17
+
+
+def test_close_rate_counts_kls_at_most_the_threshold() -> None:
+    assert KL_CLOSE == 0.05
+    assert close_rate([0.0, 0.05, 0.0501, 1.0]) == 0.5
+    assert close_rate([]) is None
 
 
 def test_per_turn_rows() -> None:

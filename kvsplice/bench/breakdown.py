@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvsplice.bench.metrics import RequestRecord
+from kvsplice.bench.metrics import RequestRecord, close_rate
 from kvsplice.bench.stats import Interval, paired_difference, wilson
 
 # A group over every position (or every setting).
@@ -29,6 +29,8 @@ class GroupSummary:
     # The system's accuracy minus the full prefill's on the requests both completed (95% interval).
     accuracy_diff: Interval | None = None
     kl_mean: float | None = None
+    # Share of the compared requests whose KL is at most metrics.KL_CLOSE.
+    close_rate: float | None = None
     top1_rate: float | None = None
     # Mean leading tokens of the continuation equal to the full prefill's.
     matched_mean: float | None = None
@@ -86,6 +88,7 @@ def _row(
         accuracy=wilson(sum(judged), len(judged)),
         accuracy_diff=paired_difference(pairs),
         kl_mean=sum(kls) / len(kls) if kls else None,
+        close_rate=close_rate(kls),
         top1_rate=sum(top1) / len(top1) if top1 else None,
         matched_mean=sum(matched) / len(matched) if matched else None,
     )

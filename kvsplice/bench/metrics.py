@@ -4,6 +4,7 @@ prefill of the same request, and the per-system (and per-turn) summaries the rep
 Definitions (docs/bench.md has the long form):
 - KL: KL(full || system) of the next-token distributions at the first generated position, in nats.
 - top-1: the argmax of both distributions is the same token.
+- KL ≤ 0.05: the share of requests whose KL is at most KL_CLOSE (the fidelity target's threshold).
 - same N: the greedy continuations (up to N tokens, or EOS) are identical token for token; match:
   how many leading tokens they share, on average.
 - computed: prompt tokens computed from scratch plus reused tokens recomputed by repair, over the
@@ -28,6 +29,10 @@ from kvsplice.sampling import kl_divergence
 
 if TYPE_CHECKING:
     from kvsplice.bench.base import BenchRequest
+
+# A request's next-token distribution this close to the full prefill's (nats) counts as faithful: the
+# fidelity target asks that 95% of requests be within it.
+KL_CLOSE = 0.05
 
 
 @dataclass
@@ -108,6 +113,8 @@ class SystemSummary:
     store_fill_frac: float | None = None
     kl_mean: float | None = None
     kl_p95: float | None = None
+    # Share of the compared requests whose KL is at most KL_CLOSE.
+    close_rate: float | None = None
     top1_rate: float | None = None
     same_rate: float | None = None
     # Mean leading tokens of the continuation equal to the full prefill's.
@@ -202,6 +209,11 @@ def _rate(flags: Iterable[bool | None]) -> float | None:
     return sum(known) / len(known) if known else None
 
 
+def close_rate(kls: Sequence[float]) -> float | None:
+    """The share of KLs at most KL_CLOSE (None when nothing was compared)."""
+    return sum(kl <= KL_CLOSE for kl in kls) / len(kls) if kls else None
+
+
 def _frac(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
@@ -243,6 +255,7 @@ def _summary(name: str, records: list[RequestRecord]) -> SystemSummary:
         store_fill_frac=_frac(sum(r.store_tokens for r in ok), prompt),
         kl_mean=_mean(kls),
         kl_p95=percentile(kls, 95),
+        close_rate=close_rate(kls),
         top1_rate=_rate(r.top1 for r in ok),
         same_rate=_rate(r.same_continuation for r in ok),
         matched_mean=_mean([r.matched_tokens for r in ok if r.matched_tokens is not None]),

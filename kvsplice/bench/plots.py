@@ -26,9 +26,12 @@ _COLOURS = {
     "boundary": "tab:orange",
     "deviation": "tab:blue",
     "recency": "tab:purple",
+    "query": "tab:cyan",
+    "lead": "tab:pink",
+    "adaptive": "tab:olive",
     "full": "tab:green",
 }
-_OTHER_COLOURS = ["tab:pink", "tab:olive", "tab:cyan"]
+_OTHER_COLOURS = ["gold", "lime", "navy"]
 
 
 def _family(system: str) -> str:

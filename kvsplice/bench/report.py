@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvsplice.bench.breakdown import ALL, GroupSummary, by_group
-from kvsplice.bench.metrics import SystemSummary, TurnSummary
+from kvsplice.bench.metrics import KL_CLOSE, SystemSummary, TurnSummary
 from kvsplice.bench.results import BenchResult
 from kvsplice.bench.stats import Interval
 
@@ -18,7 +18,8 @@ LEGEND = (
     "earlier request's spliced KV of the same prompt start) / moved from the segment "
     "store. store fill: tokens computed after the first token to put missed segments into the store, "
     "as a share of the prompt tokens. KL: mean KL(full ‖ system) of the next-token distribution at "
-    "the first generated position, in nats; top-1: same most likely first token; same N: identical "
+    "the first generated position, in nats; KL ≤ {close}: share of requests within {close} nats of the "
+    "full prefill; top-1: same most likely first token; same N: identical "
     "greedy continuation of N tokens; match: mean leading tokens of the continuation equal to the full "
     "prefill's. accuracy: the answer appears in the first line of the "
     "continuation (recall: the continuation starts with it). peak KV: most KV memory the system held "
@@ -64,13 +65,14 @@ def _mib(value: int | None) -> str:
 def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
     header = (
         "| system | done | TTFT p50 ms | TTFT p95 ms | speedup | computed | FLOPs | prefix | segment "
-        f"| found | store fill | KL | top-1 | same {continuation} | match | accuracy | peak KV MiB |"
+        f"| found | store fill | KL | KL ≤ {KL_CLOSE:g} | top-1 | same {continuation} | match | accuracy "
+        "| peak KV MiB |"
     )
-    rows = [header, "|---|---|" + "---:|" * 15]
+    rows = [header, "|---|---|" + "---:|" * 16]
     for s in summaries:
         done = f"{s.requests - s.failed}/{s.requests}" + (f" (**{s.failed} failed**)" if s.failed else "")
         if s.failed == s.requests and s.requests:
-            rows.append(f"| {s.system} | {done} |" + " failed |" * 15)
+            rows.append(f"| {s.system} | {done} |" + " failed |" * 16)
             continue
         cells = [
             _ms(s.ttft_p50_s),
@@ -83,6 +85,7 @@ def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
             _pct(s.discovered_hit_frac, 1),
             _pct(s.store_fill_frac, 1),
             _kl(s.kl_mean),
+            _pct(s.close_rate),
             _pct(s.top1_rate),
             _pct(s.same_rate),
             "–" if s.matched_mean is None else f"{s.matched_mean:.1f}",
@@ -108,16 +111,18 @@ def _points(value: Interval | None) -> str:
 def breakdown_tables(rows: list[GroupSummary], reference: str) -> str:
     """A table per setting (and one over all settings): per answer position, a row per system."""
     head = (
-        f"| position | system | done | accuracy [95% CI] | Δ vs {reference} [95% CI] | KL | top-1 | match |"
+        f"| position | system | done | accuracy [95% CI] | Δ vs {reference} [95% CI] | KL "
+        f"| KL ≤ {KL_CLOSE:g} | top-1 | match |"
     )
     tables: dict[str, list[str]] = {}
     for row in rows:
-        lines = tables.setdefault(row.setting, [head, "|---|---|---:|---:|---:|---:|---:|---:|"])
+        lines = tables.setdefault(row.setting, [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"])
         done = f"{row.requests - row.failed}/{row.requests}"
         cells = [
             _interval(row.accuracy),
             "–" if row.system == reference else _points(row.accuracy_diff),
             _kl(row.kl_mean),
+            _pct(row.close_rate),
             _pct(row.top1_rate),
             "–" if row.matched_mean is None else f"{row.matched_mean:.1f}",
         ]
@@ -210,7 +215,7 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
         "",
         summary_table(r.summaries, r.continuation_tokens),
         "",
-        LEGEND,
+        LEGEND.format(close=f"{KL_CLOSE:g}"),
     ]
     if r.turns:
         lines += ["", "## Per turn", "", turn_tables(r.turns, r.systems)]
