@@ -97,6 +97,21 @@ class EngineConfig:
     store_ttl_s: int | None = _opt(
         "seconds a remote entry lives (default: until the server's maxmemory policy evicts it)", default=None
     )
+    store_dtype: str | None = _opt(
+        "dtype the disk and Redis tiers store KV in (default: kv_dtype; float16 halves float32's bytes, "
+        "bench/results/store_fidelity.md measures what it costs)",
+        default=None,
+    )
+    store_timeout_s: float = _opt(
+        "connect and read/write timeout of the Redis tier, in seconds: a dead server costs at most this",
+        default=0.25,
+    )
+    store_breaker_failures: int = _opt(
+        "consecutive Redis failures that open the circuit breaker (requests then skip the tier)", default=3
+    )
+    store_breaker_cooldown_s: float = _opt(
+        "seconds the Redis circuit stays open before one probe request tries the server again", default=5.0
+    )
     kv_events_endpoint: str | None = _opt(
         "ZeroMQ address to publish KV events on in vLLM's format, e.g. tcp://*:5557 (default: off)",
         default=None,
@@ -150,6 +165,10 @@ class EngineConfig:
             store_dir_bytes=int(self.store_disk_gb * 2**30),
             store_url=self.store_url,
             store_ttl_s=self.store_ttl_s,
+            store_timeout_s=self.store_timeout_s,
+            store_breaker_failures=self.store_breaker_failures,
+            store_breaker_cooldown_s=self.store_breaker_cooldown_s,
+            store_dtype=self.store_dtype,
         )
 
     def kv_events_config(self) -> KVEventsConfig | None:

@@ -64,6 +64,9 @@ def assert_same_output(got: RequestOutput, want: RequestOutput) -> None:
         {"store_dir": ""},
         {"store_disk_gb": 0},
         {"store_ttl_s": 0},
+        {"store_dtype": "float64"},
+        {"store_timeout_s": 0},
+        {"store_breaker_failures": 0},
         {"kv_events_endpoint": "localhost:5557"},
         {"kv_events_replay_endpoint": "tcp://*:5558"},
     ],
@@ -77,11 +80,13 @@ def test_the_flags_build_the_store_config() -> None:
     parser = argparse.ArgumentParser()
     EngineConfig.add_args(parser)
     flags = ["--store-dir", "/tmp/s", "--store-disk-gb", "0.5", "--store-url", "redis://h:1/0"]
-    config = EngineConfig.from_args(parser.parse_args([*flags, "--store-ttl-s", "60"]))
+    flags += ["--store-ttl-s", "60", "--store-dtype", "float16", "--store-breaker-failures", "5"]
+    config = EngineConfig.from_args(parser.parse_args(flags))
     store = config.store_config()
     assert (store.store_dir, store.store_dir_bytes, store.store_url, store.store_ttl_s) == (
         "/tmp/s", 2**29, "redis://h:1/0", 60,
     )  # fmt: skip
+    assert (store.store_dtype, store.store_breaker_failures, store.store_timeout_s) == ("float16", 5, 0.25)
     assert config.kv_events_config() is None
 
 
@@ -116,6 +121,27 @@ def test_a_segment_outlives_its_engine_on_disk(model_dir: Path, tmp_path: Path) 
     # Without the disk tier a fresh engine has nothing to reuse: the hits above came from it.
     cold = run(make_llm(model_dir), [1, 0])
     assert cold.metrics.segment_hit_tokens == 0
+
+
+def test_a_float16_store_halves_the_entries_and_serves_close_kv(model_dir: Path, tmp_path: Path) -> None:
+    sizes = {}
+    for dtype in ("float32", "float16"):
+        a = make_llm(model_dir, store_dir=str(tmp_path / dtype), store_dtype=dtype)
+        run(a, [0, 1])
+        want = run(a, [1, 0])
+        a.close()
+        sizes[dtype] = sum(f.stat().st_size for f in (tmp_path / dtype).glob("*.kv"))
+        got = run(make_llm(model_dir, store_dir=str(tmp_path / dtype)), [1, 0])
+        assert got.metrics.store_hit_tokens == {"disk": len(DOCS[0]) + len(DOCS[1])}
+        assert got.first_logits is not None and want.first_logits is not None
+        if dtype == "float32":
+            assert_same_output(got, want)
+        else:
+            # Rounded KV: close to the float32 store's answer, and not bit-identical to it.
+            torch.testing.assert_close(got.first_logits, want.first_logits, atol=5e-2, rtol=0)
+            assert not torch.equal(got.first_logits, want.first_logits)
+    # The KV is most of an entry; the header (token ids, fingerprint) is the rest.
+    assert 0.5 < sizes["float16"] / sizes["float32"] < 0.6
 
 
 def test_another_salt_or_dtype_never_reads_an_entry(model_dir: Path, tmp_path: Path) -> None:
