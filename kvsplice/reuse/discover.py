@@ -27,6 +27,13 @@ the index simply stops where tokens differ. What it may also do is run past the 
 prompts' neighbours agree by chance (a separator, a common first word). A new span is therefore cut
 `seam_tokens` inside at each end before it is stored, so an entry holds the passage's interior, which
 tokenises the same in any surroundings; a match against the store is used as found.
+
+The prompt's last `tail_tokens` tokens are never in a found span. That is where a plain prompt puts
+its question or the framing of an agent's step, often words other prompts carried too: found, they
+would be spliced, and the answer would be computed from moved KV. Kept out, they are computed, as the
+tokens after the last marked segment are, and the query-aware repair probes with them (on the agent
+workload, found spans ran to 1 to 9 tokens before the end where the marked prompts computed the last
+13 to 22 tokens: bench/results/unmarked/summary.md).
 """
 
 from __future__ import annotations
@@ -65,13 +72,18 @@ class Discovery(NamedTuple):
 
 
 class SpanFinder:
-    def __init__(self, min_tokens: int, history_tokens: int, seam_tokens: int = 2) -> None:
+    def __init__(
+        self, min_tokens: int, history_tokens: int, seam_tokens: int = 2, tail_tokens: int = 32
+    ) -> None:
         """min_tokens: the shortest span spliced (64 by default: the span index finds every span this
         long, and unrelated texts share runs of at most ~11 tokens: bench/results/chunking.md).
-        history_tokens: the most tokens of earlier prompts kept to search in (~9 bytes each)."""
+        history_tokens: the most tokens of earlier prompts kept to search in (~9 bytes each).
+        tail_tokens: the prompt's last tokens, always computed (at least the last one)."""
+        assert tail_tokens >= 1, "the last prompt token is always computed"
         self.min_tokens = min_tokens
         self.history_tokens = history_tokens
         self.seam_tokens = seam_tokens
+        self.tail_tokens = tail_tokens
         self.stored = SpanIndex()
         self.seen = SpanIndex()
         # Handles of remembered prompts, oldest first, with their lengths.
@@ -91,10 +103,11 @@ class SpanFinder:
     def find(
         self, namespace: Hashable, token_ids: Sequence[int], covered: Sequence[tuple[int, int]]
     ) -> Discovery:
-        """Spans of at least min_tokens outside `covered` ((start, end) pairs), the last token never
-        among them (it is always computed). Changes nothing."""
+        """Spans of at least min_tokens outside `covered` ((start, end) pairs) and the prompt's last
+        tail_tokens. Changes nothing."""
         n = len(token_ids)
-        gaps = _gaps([*covered, (n - 1, n)], n, self.min_tokens)
+        tail = (max(0, n - self.tail_tokens), n)
+        gaps = _gaps([*covered, tail], n, self.min_tokens)
         reused: list[FoundSpan] = []
         for lo, hi in gaps:
             for m in self.stored.find(namespace, token_ids[lo:hi], self.min_tokens):
@@ -102,7 +115,7 @@ class SpanFinder:
                 reused.append(FoundSpan(lo + m.start, lo + m.end, tokens, m.source_start))
         new: list[SeenSpan] = []
         cut = self.seam_tokens
-        for lo, hi in _gaps([*covered, (n - 1, n), *((s.start, s.end) for s in reused)], n, self.min_tokens):
+        for lo, hi in _gaps([*covered, tail, *((s.start, s.end) for s in reused)], n, self.min_tokens):
             for m in self.seen.find(namespace, token_ids[lo:hi], self.min_tokens):
                 # A span that starts or ends at the gap's edge meets other reuse there, not a seam.
                 start = lo + m.start + (cut if m.start > 0 else 0)
