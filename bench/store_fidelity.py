@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
                     sum(d.metrics.store_hit_tokens.get("disk", 0) for d in disk),
                     [kl_divergence(m.first_logits, d.first_logits) for m, d in pairs],  # type: ignore[arg-type]
                     _share(int(m.first_logits.argmax()) == int(d.first_logits.argmax()) for m, d in pairs),  # type: ignore[union-attr]
-                    _share(m.outputs[0].token_ids == d.outputs[0].token_ids for m, d in pairs),
+                    _share(m.token_ids == d.token_ids for m, d in pairs),
                 )
             )
             print(f"{dtype}: KL mean {sum(rows[-1].kls) / len(pairs):.3g}", flush=True)
