@@ -176,5 +176,12 @@ def test_lead_recomputes_the_first_reused_segment_first_then_by_the_question() -
     probe = policy.decide(task).probe
     assert probe is not None
     # The question attends most to 8 and 7; the lead segment (2..4) goes first whatever it scores.
-    probe.observer.score = torch.tensor([9.0, 9, 0.1, 0.2, 0.3, 9, 0.4, 5, 6, 9, 9, 9])  # type: ignore[attr-defined]
+    scores = torch.tensor([9.0, 9, 0.1, 0.2, 0.3, 9, 0.4, 5, 6, 9, 9, 9])
+    probe.observer.score = scores.clone()  # type: ignore[attr-defined]
     assert policy.choose(task, probe, None) == (2, 3, 4, 8)
+    # The first segment came from the prefix cache (positions 0..5 exact): the second does not lead.
+    later = RepairTask(make_plan(12, 6, [(2, 5, 0), (6, 9, 1)]), 2, num_layers=4, model=cfg)
+    probe = policy.decide(later).probe
+    assert probe is not None
+    probe.observer.score = scores.clone()  # type: ignore[attr-defined]
+    assert policy.choose(later, probe, None) == (7, 8)

@@ -105,12 +105,17 @@ class LeadQueryRepair(QueryRepair):
     damage concentrates where the answer is in the first document, on both models. Measured there
     (Gemma 3, 8 documents, 30 requests, bench/results/recall_gemma_8docs_lead): KL 0.086 against query's
     0.094 and the first-document KL 0.12 against 0.21, but first-token agreement 77% against 83%, so
-    it is an option, not the default."""
+    it is an option, not the default.
+
+    Only the prompt's first segment leads. Where the prefix cache already gave it (an earlier request
+    that started with the same segment, under segment keys, whose KV this policy had recomputed), the
+    first spliced segment follows it, as in any other place, and the question alone ranks."""
 
     name = "lead"
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, QueryAttentionObserver)
-        lead = task.plan.spliced()[0]
-        probe.observer.score[lead.start : lead.end] = float("inf")
+        first = task.plan.spliced()[0]
+        if first.segment == 0:
+            probe.observer.score[first.start : first.end] = float("inf")
         return super().choose(task, probe, logits)
