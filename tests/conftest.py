@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvsplice.loader.gguf import convert_gguf, default_model_path
+
+if TYPE_CHECKING:
+    import openai
+
+    from kvsplice.server.launch import ServerThread
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +56,27 @@ def _restore_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def server(default_model_dir: Path) -> Iterator[ServerThread]:
+    """One real server with the default model for the server tests (test_server*.py)."""
+    from kvsplice.config import EngineConfig
+    from kvsplice.engine.engine import Engine
+    from kvsplice.server.launch import ServerThread
+
+    engine = Engine(EngineConfig(kv_cache_gb=0.25))
+    with ServerThread(engine) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def client(server: ServerThread) -> openai.OpenAI:
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id

@@ -1,24 +1,18 @@
 """The real server on a free loopback port, driven by the official `openai` client (raw httpx only for
-inputs the client cannot send). One server with the default model for the module; generations are short."""
+inputs the client cannot send). One server with the default model for the session (conftest.py);
+generations are short. Refusals and failures: test_server_errors.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvsplice.config import EngineConfig
-from kvsplice.engine.engine import Engine
-from kvsplice.server.config import ServerConfig
 from kvsplice.server.launch import ServerThread
+from tests.server_support import engine_of, metrics, wait_idle
 from tests.test_splice_default import DOCS as PASSAGES
 
 pytestmark = pytest.mark.slow
@@ -29,56 +23,6 @@ DOCS = [
     "Sahara: the largest hot desert in the world, spanning much of North Africa.",
 ]
 SYSTEM = "You answer questions using only the documents the user gives you."
-
-
-@pytest.fixture(scope="module")
-def server(default_model_dir: Path) -> Iterator[ServerThread]:
-    engine = Engine(EngineConfig(kv_cache_gb=0.25))
-    with ServerThread(engine) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-def engine_of(server: ServerThread) -> Engine:
-    return server.app.state.server.engine.engine
-
-
-def metrics(server: ServerThread) -> dict[str, float]:
-    """Every sample of /metrics by name (labels dropped: one model, one series per name here)."""
-    text = httpx.get(server.url + "/metrics").text
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + (
-                "{"
-                + ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
-                + "}"
-                if len(sample.labels) > 1
-                else ""
-            )
-            samples[key] = sample.value
-    return samples
-
-
-def wait_idle(server: ServerThread, timeout_s: float = 60) -> dict[str, float]:
-    """/metrics once no request runs or waits and no block is held by a request."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = metrics(server)
-        if m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0:
-            assert m["kvsplice:kv_cache_request_blocks"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
-            return m
-        assert time.monotonic() < deadline, f"engine not idle: {m}"
-        time.sleep(0.1)
 
 
 # -- basics ---------------------------------------------------------------------------------------
@@ -275,104 +219,6 @@ def test_plain_chat_messages_with_passages_in_a_new_order_reuse_them(
     assert ask([1, 2, 0], "plain-b").discovered_hit_tokens == 0
 
 
-# -- errors ---------------------------------------------------------------------------------------
-
-BAD_COMPLETIONS: list[tuple[dict[str, Any], int]] = [
-    ({"model": "gpt-4", "prompt": "hi"}, 404),
-    ({"prompt": "hi", "temperature": -1}, 400),
-    ({"prompt": "hi", "temperature": "hot"}, 400),
-    ({"prompt": "hi", "top_p": 0}, 400),
-    ({"prompt": "hi", "top_p": 1.5}, 400),
-    ({"prompt": "hi", "top_k": -2}, 400),
-    ({"prompt": "hi", "max_tokens": 0}, 400),
-    ({"prompt": "hi", "max_tokens": -3}, 400),
-    ({"prompt": "hi", "max_tokens": 1.5}, 400),
-    ({"prompt": "hi", "n": 2}, 400),
-    ({"prompt": "hi", "best_of": 3}, 400),
-    ({"prompt": "hi", "logprobs": 2}, 400),
-    ({"prompt": "hi", "echo": True}, 400),
-    ({"prompt": "hi", "presence_penalty": 0.5}, 400),
-    ({"prompt": "hi", "stop": [""]}, 400),
-    ({"prompt": "hi", "stop": 5}, 400),
-    ({"prompt": "hi", "seed": 2**70}, 400),
-    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
-    ({"prompt": "hi", "repair": "magic"}, 400),
-    ({"prompt": "hi", "recompute_ratio": 2}, 400),
-    ({"prompt": "hi", "recompute_tokens": -1}, 400),
-    ({"prompt": "hi", "cache_salt": 5}, 400),
-    ({}, 400),
-    ({"prompt": ""}, 200),
-    ({"prompt": []}, 400),
-    ({"prompt": [10**9]}, 400),
-    ({"prompt": [-1]}, 400),
-    ({"prompt": [2] * 20000}, 400),
-    ({"prompt": "hi", "max_tokens": 10**9}, 400),
-    ({"prompt": [{"segment": ""}]}, 400),
-    ({"prompt": [{"segment": "a", "text": "b"}]}, 400),
-    ({"prompt": [{"segment": [10**9]}]}, 400),
-    ({"prompt": [{"sgment": "typo"}]}, 400),
-    ({"prompt": [{"segment": "only a segment"}]}, 200),
-    ({"prompt": [{"segment": "twice"}, {"segment": "twice"}]}, 200),
-    ({"prompt": "\ud800"}, 400),
-    ({"prompt": "hi", "temperature": 1e-30, "max_tokens": 1}, 200),
-]
-
-BAD_CHATS: list[tuple[dict[str, Any], int]] = [
-    ({"messages": []}, 400),
-    ({"messages": "hi"}, 400),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, 400),
-    ({"messages": [{"role": "wizard", "content": "a"}]}, 400),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
-    ({"messages": [{"role": "user", "content": "a"}], "documents": "doc"}, 400),
-    ({"messages": [{"role": "user", "content": "a"}], "documents": [""]}, 400),
-    ({"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0}, 400),
-    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400),
-    ({"messages": [{"role": "user", "content": "a"}], "logprobs": True}, 400),
-    ({"messages": [{"role": "user", "content": "a " * 20000}]}, 400),
-]
-
-
-def test_bad_requests_get_openai_errors(server: ServerThread) -> None:
-    cases = [("/v1/completions", body, status) for body, status in BAD_COMPLETIONS]
-    cases += [("/v1/chat/completions", body, status) for body, status in BAD_CHATS]
-    raw = [
-        ("/v1/completions", b"{not json", 400),
-        ("/v1/completions", b"[1, 2]", 400),
-        ("/v1/completions", b"", 400),
-        ("/v1/completions", b"\xff\xfe", 400),
-        ("/v1/chat/completions", b'{"messages": [' * 10000, 400),
-        ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400),
-        ("/v1/completions", b'{"prompt": "hi", "top_p": Infinity}', 400),
-    ]
-    with httpx.Client(base_url=server.url, timeout=120) as http:
-        for path, body, status in cases:
-            body = {"max_tokens": 2, **body}
-            r = http.post(path, content=json.dumps(body).encode())
-            assert r.status_code == status, (body, r.text)
-            if status != 200:
-                error = r.json()["error"]
-                assert set(error) == {"message", "type", "param", "code"} and error["message"], body
-        for path, content, status in raw:
-            r = http.post(path, content=content, headers={"content-type": "application/json"})
-            assert r.status_code == status, (content[:40], r.text)
-            assert r.json()["error"]["type"] == "invalid_request_error"
-        for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)]:
-            r = http.request(method, path)
-            assert r.status_code == status and r.json()["error"]["message"]
-        assert http.get("/health").status_code == 200
-
-
-def test_errors_through_the_openai_client(client: openai.OpenAI, model: str) -> None:
-    with pytest.raises(openai.NotFoundError) as err:
-        client.completions.create(model="no-such-model", prompt="hi", max_tokens=1)
-    assert err.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=model, prompt=[2] * 20000, max_tokens=1)
-    assert err.value.code == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=2)
-
-
 # -- concurrency and cancellation -----------------------------------------------------------------
 
 
@@ -448,59 +294,3 @@ def test_metrics_names(server: ServerThread) -> None:
         assert name in m, name
     assert m["vllm:prompt_tokens_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] > 0
     assert 0 <= m["vllm:kv_cache_usage_perc"] <= 1
-
-
-# -- a small server: full queue, engine failure, API key ------------------------------------------
-
-
-@pytest.fixture
-def small_server(default_model_dir: Path) -> Iterator[ServerThread]:
-    engine = Engine(EngineConfig(kv_cache_gb=0.02, max_num_seqs=1, max_waiting=0))
-    with ServerThread(engine, ServerConfig(api_key="secret", retry_after_s=2)) as running:
-        yield running
-
-
-def test_full_queue_engine_failure_and_api_key(small_server: ServerThread) -> None:
-    url = small_server.url + "/v1"
-    client = openai.OpenAI(base_url=url, api_key="secret", max_retries=0, timeout=120)
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
-    model = client.models.list().data[0].id
-
-    # One request runs (max_num_seqs=1) and none may wait (max_waiting=0): the next is refused at once.
-    stream = client.completions.create(
-        model=model, prompt="Count:", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
-    )
-    next(iter(stream))
-    start = time.monotonic()
-    with pytest.raises(openai.RateLimitError) as err:
-        client.completions.create(model=model, prompt="hi", max_tokens=1)
-    assert err.value.response.headers["retry-after"] == "2"
-    assert time.monotonic() - start < 30
-    stream.close()
-    wait_idle(small_server)
-
-    # A bug in the engine fails the request in flight with a 500; the server keeps serving.
-    engine = engine_of(small_server)
-
-    def broken_step() -> list:
-        raise RuntimeError("injected engine bug")
-
-    engine.step = broken_step  # type: ignore[method-assign]
-    try:
-        with pytest.raises(openai.InternalServerError):
-            client.completions.create(model=model, prompt="hi", max_tokens=2)
-    finally:
-        del engine.step  # type: ignore[method-assign]
-    r = client.completions.create(model=model, prompt="hi", max_tokens=2, temperature=0)
-    assert r.choices[0].finish_reason == "length"
-    assert httpx.get(small_server.url + "/health").status_code == 200
-    wait_idle(small_server)
-
-
-def test_cli_has_serve() -> None:
-    from kvsplice.cli import build_parser
-
-    args = build_parser().parse_args(["serve", "--port", "0", "--max-num-seqs", "4", "--api-key", "k"])
-    assert ServerConfig.from_args(args) == ServerConfig(port=0, api_key="k")
-    assert EngineConfig.from_args(args).max_num_seqs == 4
