@@ -279,3 +279,57 @@ def test_prompt_segments_are_kept_from_the_request_that_computed_them(model_dir:
     torch.testing.assert_close(stored, direct, atol=1e-4, rtol=1e-4)
     again = llm.generate([[SYSTEM, Segment(DOCS[1]), QUESTION]], SamplingParams(max_tokens=1))[0]
     assert again.metrics.segment_hit_tokens == len(DOCS[1])
+
+
+def test_a_request_admitted_before_the_copy_moves_the_kv_from_where_it_was_computed(model_dir: Path) -> None:
+    """The copy into the store is background work: a request that arrives right after a cold one is
+    prepared first, splicing the segments from the cold request's blocks (held for the copy), and gets
+    what it would get from the store: the same output as on an engine that had done the copy."""
+    cold = [SYSTEM, Segment(DOCS[0]), Segment(DOCS[1]), QUESTION]
+    warm = [SYSTEM, Segment(DOCS[1]), Segment(DOCS[0]), QUESTION]
+    params = SamplingParams(max_tokens=3, temperature=0.0, return_first_logits=True)
+    idle = _llm(model_dir, prefix_cache="off")
+    idle.generate([cold], SamplingParams(max_tokens=1))
+    while idle.engine.has_unfinished():
+        idle.engine.step()
+    assert len(idle.engine.segment_store) == 2
+    want = idle.generate([warm], params)[0]
+
+    llm = _llm(model_dir, prefix_cache="off")
+    engine = llm.engine
+    engine.add_request(cold, SamplingParams(max_tokens=1))
+    (first,) = engine.step()
+    assert first.output is not None and engine.store_work.holds_blocks
+    engine.add_request(warm, params, request_id="next")
+    # Admitted and prefilled (a probe pass, then the repair) before any copy: no step with a prefill in
+    # it does background work.
+    while not (outputs := engine.step()):
+        assert len(engine.segment_store) == 0
+    assert [o.request_id for o in outputs] == ["next"] and len(engine.segment_store) == 0
+    done = None
+    while engine.has_unfinished():
+        done = next((o.output for o in engine.step() if o.output is not None), done)
+    assert done is not None and len(engine.segment_store) == 2 and not engine.store_work.holds_blocks
+    assert done.metrics.segment_hit_tokens == want.metrics.segment_hit_tokens == len(DOCS[0]) + len(DOCS[1])
+    assert done.first_logits is not None and want.first_logits is not None
+    assert done.token_ids == want.token_ids
+    assert done.first_logits is not None and want.first_logits is not None
+    torch.testing.assert_close(done.first_logits, want.first_logits, atol=1e-4, rtol=1e-4)
+    # Nothing is held but the store's copies (the prefix cache is off).
+    bs = engine.pool.block_size
+    assert engine.pool.allocator.num_used == sum(-(-len(d) // bs) for d in DOCS[:2])
+
+
+def test_queued_copies_give_their_blocks_back_when_a_request_needs_the_memory(model_dir: Path) -> None:
+    llm = _llm(model_dir, prefix_cache="off", kv_cache_gb=0.0007)
+    engine = llm.engine
+    capacity = engine.pool.num_blocks
+    engine.add_request([SYSTEM, Segment(DOCS[2]), QUESTION], SamplingParams(max_tokens=1))
+    engine.step()
+    assert engine.store_work.holds_blocks
+    # A request that needs nearly the whole pool: admitted only once the copy has given the blocks back.
+    long = [7] * ((capacity - 4) * engine.pool.block_size - 2)
+    engine.add_request(long, SamplingParams(max_tokens=1), request_id="long")
+    assert engine.pool.allocator.num_free < capacity - 4
+    engine.step()
+    assert not engine.store_work.holds_blocks and [r.request_id for r in engine.scheduler.running] == ["long"]

@@ -16,9 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +28,7 @@ from kvsplice.engine.block_manager import BlockManager
 from kvsplice.engine.output import OutputProcessor, StepOutput
 from kvsplice.engine.request import Request, Status
 from kvsplice.engine.scheduler import Scheduler, StepBatch
+from kvsplice.engine.store_work import StoreWork
 from kvsplice.errors import InvalidRequestError, PromptTooLongError, QueueFullError
 from kvsplice.kv.pool import KVPool
 from kvsplice.loader.model_files import resolve_model_dir
@@ -42,9 +41,7 @@ from kvsplice.prompt import Prompt, parse_prompt
 from kvsplice.reuse.discover import SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
 from kvsplice.reuse.plan import SpanKind
-from kvsplice.reuse.prefill import MissedSegment, Prefill, ReusePath
-from kvsplice.reuse.store_fill import StoreFill, capture_in_place
-from kvsplice.reuse.work import PrefillWork
+from kvsplice.reuse.prefill import Prefill, ReusePath
 from kvsplice.sampling import SamplingParams, sample
 from kvsplice.store import KVEventPublisher, TieredStore
 from kvsplice.store.recorder import KVEventRecorder
@@ -116,14 +113,9 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, frozenset(eos), self.max_model_len)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        # Segments requests missed, to compute on their own and store; the one being computed.
-        self._fills: deque[StoreFill] = deque()
-        self._filling: tuple[StoreFill, PrefillWork] | None = None
-        # KV of missed segments to copy into the store, and prompts for the span finder to index (their
-        # KV now computed), at the start of the next step.
-        self._captures: list[_Capture] = []
+        self.store_work = StoreWork(self.segment_store, self.pool, self.runner, self.lower, config.segment_kv)
+        # Prompts for the span finder to index (their KV now computed), at the start of the next step.
         self._to_index: list[tuple[Hashable, tuple[int, ...]]] = []
-        self.fills_dropped = 0
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -189,22 +181,21 @@ class Engine:
         self._finish(request)
 
     def has_unfinished(self) -> bool:
-        background = bool(self._fills) or self._filling is not None or bool(self._captures or self._to_index)
-        return self.scheduler.has_work() or background
+        return self.scheduler.has_work() or self.store_work.busy or bool(self._to_index)
 
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        # Before admission, so that a request admitted now finds what the last step's prefills missed.
-        self._capture()
-        while (admitted := self.scheduler.admit_next()) is not None:
-            self._prepare(admitted)
+        # Before admission, so that a request admitted now finds what the last step's prefills saw.
+        self._index_prompts()
+        self._admit()
         batch = self.scheduler.schedule()
         outputs = self._decode(batch) if batch.decode else []
         for request, tokens in batch.prefill:
             outputs += self._prefill_chunk(request, tokens)
         if batch.background_tokens > 0:
-            self._background(batch.background_tokens)
+            self.store_work.copy()
+            self.store_work.fill(batch.background_tokens)
         if self.events is not None:
             self.events.flush()
         return outputs
@@ -217,6 +208,21 @@ class Engine:
         if self.events is not None:
             self.events.close()
 
+    def _admit(self) -> None:
+        """Admit and prepare waiting requests while the scheduler allows. Blocks held for queued store
+        copies are given back (the copies done now) when the head of the queue waits for memory."""
+        while True:
+            admitted = self.scheduler.admit_next()
+            if admitted is not None:
+                self._prepare(admitted)
+            elif not self.scheduler.short_of_memory:
+                return
+            elif self.store_work.holds_blocks:
+                self.store_work.copy()
+            else:
+                assert self.scheduler.running, "a request that fits an empty pool waits in an idle engine"
+                return
+
     def _prepare(self, request: Request) -> None:
         assert request.admission is not None
         request.metrics.queue_s = time.perf_counter() - request.arrival
@@ -226,6 +232,7 @@ class Engine:
             request.repair,
             request.seq.block_table,
             request.admission.prefix_hit_tokens,
+            self.store_work.pending,
         )
 
     def _decode(self, batch: StepBatch) -> list[StepOutput]:
@@ -282,60 +289,14 @@ class Engine:
                 exact = prefill.exact_until
                 kept = len(prompt.token_ids) if exact is None else exact
             self._to_index.append((request.namespace, prompt.token_ids[:kept]))
-        for b in prefill.borrowed:
-            # Copied from the earlier prompt's KV, whose blocks the prefill has held since it was planned.
-            self._captures.append(_Capture(request.namespace, b.blocks, (MissedSegment(b.tokens, b.start),)))
-        if not prefill.missed:
-            return
-        if self.config.segment_kv == "prompt":
-            # Hold the request's blocks up to the last missed token until the copy: the request may
-            # finish, and release them, in this very step.
-            last = max(m.start + len(m.tokens) for m in prefill.missed)
-            blocks = request.seq.block_table[: -(-last // self.pool.block_size)]
-            self.pool.allocator.incref(blocks)
-            self._captures.append(_Capture(request.namespace, blocks, prefill.missed))
-            return
-        store, layers = self.segment_store, self.runner.num_layers
-        for missed in prefill.missed:
-            self._fills.append(StoreFill(store, self.pool, layers, request.namespace, missed.tokens))
+        self.store_work.queue(request.namespace, request.seq.block_table, prefill)
 
-    def _capture(self) -> None:
-        """Copy the KV of queued missed segments into the store, and let go of the blocks held for it;
-        index the prompts of finished prefills for the span finder."""
-        store, runner = self.segment_store, self.runner
-        for c in self._captures:
-            for m in c.missed:
-                captured = capture_in_place(
-                    store, self.pool, runner.cfg, runner.freqs, c.namespace, m.tokens, c.blocks, m.start
-                )
-                if captured and self.lower is not None:
-                    self.lower.write_through(c.namespace, m.tokens)
-            self.pool.allocator.decref(reversed(c.blocks))
-        self._captures = []
+    def _index_prompts(self) -> None:
+        """Index the prompts of finished prefills for the span finder (milliseconds)."""
         if self.reuse.finder is not None:
             for namespace, token_ids in self._to_index:
                 self.reuse.finder.remember(namespace, token_ids)
         self._to_index = []
-
-    def _background(self, tokens: int) -> None:
-        """One chunk of store-filling work, at most `tokens` long."""
-        while self._filling is None and self._fills:
-            fill = self._fills.popleft()
-            work = fill.start()
-            if work is None:
-                self.fills_dropped += not self.segment_store.contains(fill.namespace, fill.tokens)
-                continue
-            self._filling = (fill, work)
-        if self._filling is None:
-            return
-        fill, work = self._filling
-        chunk = work.next_chunk(tokens)
-        work.complete(chunk, self.runner.forward(chunk))
-        if work.done:
-            fill.finish()
-            self._filling = None
-            if self.lower is not None:
-                self.lower.write_through(fill.namespace, fill.tokens)
 
     def _sampled(self, request: Request, logits: torch.Tensor) -> StepOutput:
         token = sample(logits, request.params, request.generator)
@@ -360,13 +321,3 @@ class Engine:
         del self._requests[request.request_id]
         self.outputs.remove(request.request_id)
         return request.to_output()
-
-
-@dataclass(frozen=True)
-class _Capture:
-    """Segments a prefill computed in place and missed in the store; a reference held on each block
-    of `blocks` (the request's, from its first) until their KV is copied."""
-
-    namespace: Hashable
-    blocks: list[int]
-    missed: tuple[MissedSegment, ...]

@@ -49,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         # In admission order, which is arrival order.
         self.running: list[Request] = []
+        self.short_of_memory = False
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -58,15 +59,17 @@ class Scheduler:
 
     def admit_next(self) -> Request | None:
         """Admit the oldest waiting request if a seat, memory and some of this step's budget remain.
-        The caller prepares its prefill (request.prefill) before admitting the next one."""
+        The caller prepares its prefill (request.prefill) before admitting the next one. When memory was
+        what the head of the queue lacked, `short_of_memory` says so until the next call."""
+        self.short_of_memory = False
         if not self.waiting or len(self.running) >= self.max_num_seqs or self._spare_budget() <= 0:
             return None
         request = self.waiting[0]
         admission = self.blocks.admit(request)
         if admission is None:
-            # Only memory held by running requests can be missing: each request was checked to fit an
-            # empty pool. It waits at the head of the queue until they free some.
-            assert self.running, f"request {request.request_id} cannot be admitted into an idle engine"
+            # Each request was checked to fit an empty pool: only memory that running requests (or the
+            # engine's queued store copies) hold can be missing. It waits at the head of the queue.
+            self.short_of_memory = True
             return None
         self.waiting.popleft()
         request.status, request.admission = Status.RUNNING, admission

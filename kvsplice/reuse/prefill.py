@@ -7,14 +7,16 @@
                            plan, the work, and what was decided once the work is done)
 
 A segment the pool's store lacks is first asked of the tiers below it (disk, Redis: lower_tiers.py);
-a hit there is promoted into the pool's store and spliced like any other. Segments no tier holds,
-marked or found, are computed in place with the rest of the prompt (exact for this request) and
-listed in `Prefill.missed`, for the engine to store after the first token.
+a hit there is promoted into the pool's store and spliced like any other. Then of the engine's queued
+store copies: a segment an earlier request computed in place, whose copy into the store waits for
+idle time, is moved from that request's blocks, as the copy would be (`pending`). Segments no one
+holds, marked or found, are computed in place with the rest of the prompt (exact for this request)
+and listed in `Prefill.missed`, for the engine to store after the first token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -96,6 +98,14 @@ class MissedSegment:
     start: int
 
 
+class PendingKV(NamedTuple):
+    """A segment's KV where the request that computed it left it: slots start.. of `blocks` (that
+    request's, from its first), computed at positions start.. (held until the engine copies it)."""
+
+    blocks: Sequence[int]
+    start: int
+
+
 @dataclass(frozen=True)
 class BorrowedSpan:
     """A found span whose KV this prefill moved from an earlier prompt's blocks in the prefix cache. A
@@ -172,9 +182,11 @@ class ReusePath:
         settings: RepairSettings,
         block_table: Sequence[int],
         prefix_hit: int,
+        pending: Callable[[Hashable, tuple[int, ...]], PendingKV | None] = lambda namespace, tokens: None,
     ) -> Prefill:
         """Plan, place and set up the repair of a prompt whose first `prefix_hit` tokens hold exact cached
-        KV in `block_table` (which has room for every prompt token)."""
+        KV in `block_table` (which has room for every prompt token). `pending`: where a segment whose
+        copy into the store is queued has its KV, if it is one."""
         n = len(prompt.token_ids)
         wanted = {
             index: prompt.segment_tokens(span)
@@ -191,8 +203,12 @@ class ReusePath:
         for index, tokens in wanted.items():
             span = prompt.segments[index]
             entry = self.store.lookup(namespace, tokens)
+            queued = pending(namespace, tokens) if entry is None else None
             if entry is not None:
                 sources[index] = _KVSource(entry.blocks, 0, self.store.start_position)
+                available.append((span.start, span.end, index))
+            elif queued is not None:
+                sources[index] = _KVSource(queued.blocks, queued.start, queued.start)
                 available.append((span.start, span.end, index))
             elif span.start >= prefix_hit and all(m.tokens != tokens for m in missed):
                 missed.append(MissedSegment(tokens, span.start))

@@ -287,5 +287,5 @@ class AsyncEngine:
             segment_inserted_tokens=segments.inserted_tokens,
             segment_evictions=segments.evictions,
             segment_entries=len(engine.segment_store),
-            segment_fills_dropped=engine.fills_dropped,
+            segment_fills_dropped=engine.store_work.fills_dropped,
         )

@@ -1,0 +1,133 @@
+"""The engine's store work: putting the segments requests missed into the segment store, as background.
+
+    queue(namespace, block_table, prefill)   after a prefill's last chunk: what it missed, and the spans
+                                             it moved from earlier prompts, are queued
+    pending(namespace, tokens)               where a queued segment's KV is until it is copied
+    copy()                                   copy every queued capture into the store (milliseconds per
+                                             segment) and let go of the blocks held for it
+    fill(tokens)                             one chunk of the segments computed again on their own
+                                             (segment_kv="canonical")
+
+None of it runs in a step with a prefill in it or a request waiting (the scheduler leaves no
+background budget there), so no first token waits for another request's store work. A request
+admitted while a copy is queued moves the segment's KV from the blocks of the request that computed it,
+which is what the copy would give it; the copy runs when the engine has a step to spare, or at once
+when the head of the queue waits for the memory the captures hold.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from kvsplice.cache.segments import SegmentStore
+from kvsplice.kv.pool import KVPool
+from kvsplice.models.runner import ModelRunner
+from kvsplice.reuse.lower_tiers import LowerTiers
+from kvsplice.reuse.prefill import MissedSegment, PendingKV, Prefill
+from kvsplice.reuse.store_fill import StoreFill, capture_in_place
+from kvsplice.reuse.work import PrefillWork
+
+
+@dataclass(frozen=True)
+class _Capture:
+    """Segments a prefill computed in place and missed in the store; a reference held on each block
+    of `blocks` (the request's, from its first) until their KV is copied."""
+
+    namespace: Hashable
+    blocks: list[int]
+    missed: tuple[MissedSegment, ...]
+
+
+class StoreWork:
+    def __init__(
+        self,
+        store: SegmentStore,
+        pool: KVPool,
+        runner: ModelRunner,
+        lower: LowerTiers | None,
+        segment_kv: str,
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.runner = runner
+        self.lower = lower
+        self.segment_kv = segment_kv
+        self._captures: list[_Capture] = []
+        # Segments to compute on their own and store; the one being computed.
+        self._fills: deque[StoreFill] = deque()
+        self._filling: tuple[StoreFill, PrefillWork] | None = None
+        self.fills_dropped = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._captures or self._fills) or self._filling is not None
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Queued captures hold blocks that copy() gives back."""
+        return bool(self._captures)
+
+    def queue(self, namespace: Hashable, block_table: list[int], prefill: Prefill) -> None:
+        """The store work a finished prefill leaves: its borrowed spans and missed segments."""
+        for b in prefill.borrowed:
+            # Copied from the earlier prompt's KV, whose blocks the prefill has held since it was planned.
+            self._captures.append(_Capture(namespace, b.blocks, (MissedSegment(b.tokens, b.start),)))
+        if not prefill.missed:
+            return
+        if self.segment_kv == "prompt":
+            # Hold the request's blocks up to the last missed token until the copy: the request may
+            # finish, and release them, in this very step.
+            last = max(m.start + len(m.tokens) for m in prefill.missed)
+            blocks = block_table[: -(-last // self.pool.block_size)]
+            self.pool.allocator.incref(blocks)
+            self._captures.append(_Capture(namespace, blocks, prefill.missed))
+            return
+        for missed in prefill.missed:
+            self._fills.append(
+                StoreFill(self.store, self.pool, self.runner.num_layers, namespace, missed.tokens)
+            )
+
+    def pending(self, namespace: Hashable, tokens: tuple[int, ...]) -> PendingKV | None:
+        """Where a segment whose copy is queued has its KV: in the blocks of the request that computed
+        it, at the positions it had there."""
+        for c in self._captures:
+            if c.namespace == namespace:
+                for m in c.missed:
+                    if m.tokens == tokens:
+                        return PendingKV(c.blocks, m.start)
+        return None
+
+    def copy(self) -> None:
+        """Copy the KV of the queued captures into the store, and let go of the blocks held for it."""
+        runner = self.runner
+        for c in self._captures:
+            for m in c.missed:
+                captured = capture_in_place(
+                    self.store, self.pool, runner.cfg, runner.freqs, c.namespace, m.tokens, c.blocks, m.start
+                )
+                if captured and self.lower is not None:
+                    self.lower.write_through(c.namespace, m.tokens)
+            self.pool.allocator.decref(reversed(c.blocks))
+        self._captures = []
+
+    def fill(self, tokens: int) -> None:
+        """One chunk of store-filling work, at most `tokens` long."""
+        while self._filling is None and self._fills:
+            fill = self._fills.popleft()
+            work = fill.start()
+            if work is None:
+                self.fills_dropped += not self.store.contains(fill.namespace, fill.tokens)
+                continue
+            self._filling = (fill, work)
+        if self._filling is None:
+            return
+        fill, work = self._filling
+        chunk = work.next_chunk(tokens)
+        work.complete(chunk, self.runner.forward(chunk))
+        if work.done:
+            fill.finish()
+            self._filling = None
+            if self.lower is not None:
+                self.lower.write_through(fill.namespace, fill.tokens)
