@@ -194,8 +194,9 @@ class Engine:
         for request, tokens in batch.prefill:
             outputs += self._prefill_chunk(request, tokens)
         if batch.background_tokens > 0:
-            self.store_work.copy()
-            self.store_work.fill(batch.background_tokens)
+            left = batch.background_tokens - self.store_work.copy(batch.background_tokens)
+            if left > 0:
+                self.store_work.fill(left)
         if self.events is not None:
             self.events.flush()
         return outputs

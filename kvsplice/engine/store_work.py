@@ -3,16 +3,17 @@
     queue(namespace, block_table, prefill)   after a prefill's last chunk: what it missed, and the spans
                                              it moved from earlier prompts, are queued
     pending(namespace, tokens)               where a queued segment's KV is until it is copied
-    copy()                                   copy every queued capture into the store (milliseconds per
-                                             segment) and let go of the blocks held for it
+    copy(tokens)                             copy queued captures into the store, segment by segment (tens
+                                             of milliseconds each), and let go of the blocks held for them
     fill(tokens)                             one chunk of the segments computed again on their own
                                              (segment_kv="canonical")
 
 None of it runs in a step with a prefill in it or a request waiting (the scheduler leaves no
 background budget there), so no first token waits for another request's store work. A request
 admitted while a copy is queued moves the segment's KV from the blocks of the request that computed it,
-which is what the copy would give it; the copy runs when the engine has a step to spare, or at once
-when the head of the queue waits for the memory the captures hold.
+which is what the copy would give it. Copies run in steps the engine has to spare, a step's token
+budget of segments at a time (at least one), so a request that arrives meanwhile waits for one
+segment's copy at most; or all at once when the head of the queue waits for the memory they hold.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ from kvsplice.reuse.work import PrefillWork
 
 
 @dataclass(frozen=True)
-class _Capture:
-    """Segments a prefill computed in place and missed in the store; a reference held on each block
-    of `blocks` (the request's, from its first) until their KV is copied."""
+class _Copy:
+    """A segment a prefill computed in place (or moved from an earlier prompt) and the store lacks: its
+    KV at positions segment.start.. of `blocks`, on each of which a reference is held until the last
+    segment of those blocks is copied (`release`)."""
 
     namespace: Hashable
     blocks: list[int]
-    missed: tuple[MissedSegment, ...]
+    segment: MissedSegment
+    release: bool
 
 
 class StoreWork:
@@ -54,7 +57,7 @@ class StoreWork:
         self.runner = runner
         self.lower = lower
         self.segment_kv = segment_kv
-        self._captures: list[_Capture] = []
+        self._copies: deque[_Copy] = deque()
         # Segments to compute on their own and store; the one being computed.
         self._fills: deque[StoreFill] = deque()
         self._filling: tuple[StoreFill, PrefillWork] | None = None
@@ -62,18 +65,18 @@ class StoreWork:
 
     @property
     def busy(self) -> bool:
-        return bool(self._captures or self._fills) or self._filling is not None
+        return bool(self._copies or self._fills) or self._filling is not None
 
     @property
     def holds_blocks(self) -> bool:
-        """Queued captures hold blocks that copy() gives back."""
-        return bool(self._captures)
+        """Queued copies hold blocks that copy() gives back."""
+        return bool(self._copies)
 
     def queue(self, namespace: Hashable, block_table: list[int], prefill: Prefill) -> None:
         """The store work a finished prefill leaves: its borrowed spans and missed segments."""
         for b in prefill.borrowed:
             # Copied from the earlier prompt's KV, whose blocks the prefill has held since it was planned.
-            self._captures.append(_Capture(namespace, b.blocks, (MissedSegment(b.tokens, b.start),)))
+            self._copies.append(_Copy(namespace, b.blocks, MissedSegment(b.tokens, b.start), release=True))
         if not prefill.missed:
             return
         if self.segment_kv == "prompt":
@@ -82,7 +85,8 @@ class StoreWork:
             last = max(m.start + len(m.tokens) for m in prefill.missed)
             blocks = block_table[: -(-last // self.pool.block_size)]
             self.pool.allocator.incref(blocks)
-            self._captures.append(_Capture(namespace, blocks, prefill.missed))
+            for i, missed in enumerate(prefill.missed):
+                self._copies.append(_Copy(namespace, blocks, missed, release=i == len(prefill.missed) - 1))
             return
         for missed in prefill.missed:
             self._fills.append(
@@ -92,25 +96,30 @@ class StoreWork:
     def pending(self, namespace: Hashable, tokens: tuple[int, ...]) -> PendingKV | None:
         """Where a segment whose copy is queued has its KV: in the blocks of the request that computed
         it, at the positions it had there."""
-        for c in self._captures:
-            if c.namespace == namespace:
-                for m in c.missed:
-                    if m.tokens == tokens:
-                        return PendingKV(c.blocks, m.start)
+        for c in self._copies:
+            if c.namespace == namespace and c.segment.tokens == tokens:
+                return PendingKV(c.blocks, c.segment.start)
         return None
 
-    def copy(self) -> None:
-        """Copy the KV of the queued captures into the store, and let go of the blocks held for it."""
-        runner = self.runner
-        for c in self._captures:
-            for m in c.missed:
-                captured = capture_in_place(
-                    self.store, self.pool, runner.cfg, runner.freqs, c.namespace, m.tokens, c.blocks, m.start
-                )
-                if captured and self.lower is not None:
-                    self.lower.write_through(c.namespace, m.tokens)
-            self.pool.allocator.decref(reversed(c.blocks))
-        self._captures = []
+    def copy(self, tokens: int | None = None) -> int:
+        """Copy queued segments' KV into the store, in order: at least one and at most `tokens` tokens of
+        them (None: all), letting go of the blocks held for them. Returns the tokens copied."""
+        runner, done = self.runner, 0
+        while self._copies:
+            c = self._copies[0]
+            if tokens is not None and done and done + len(c.segment.tokens) > tokens:
+                break
+            self._copies.popleft()
+            m = c.segment
+            captured = capture_in_place(
+                self.store, self.pool, runner.cfg, runner.freqs, c.namespace, m.tokens, c.blocks, m.start
+            )
+            if captured and self.lower is not None:
+                self.lower.write_through(c.namespace, m.tokens)
+            if c.release:
+                self.pool.allocator.decref(reversed(c.blocks))
+            done += len(m.tokens)
+        return done
 
     def fill(self, tokens: int) -> None:
         """One chunk of store-filling work, at most `tokens` long."""
