@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kvsplice.bench.base import WorkloadSpec
-from kvsplice.bench.metrics import KL_CLOSE, close_rate
+from kvsplice.bench.metrics import KL_CLOSE, close_rate, top1_agree
 from kvsplice.bench.results import cpu_name, load_average
 from kvsplice.bench.systems import System, prompt_parts
 from kvsplice.bench.workloads import make_workload
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                     stored / segment_tokens,
                     sum(d.metrics.store_hit_tokens.get("disk", 0) for d in disk),
                     [kl_divergence(m.first_logits, d.first_logits) for m, d in pairs],  # type: ignore[arg-type]
-                    _share(int(m.first_logits.argmax()) == int(d.first_logits.argmax()) for m, d in pairs),  # type: ignore[union-attr]
+                    _share(top1_agree(m.first_logits, d.first_logits) for m, d in pairs),  # type: ignore[arg-type]
                     _share(m.token_ids == d.token_ids for m, d in pairs),
                 )
             )

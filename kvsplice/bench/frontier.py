@@ -70,11 +70,8 @@ def _percent(rate: float | None) -> float | None:
 def plot(by_model: dict[str, list[Point]], path: Path) -> None:
     rows = (
         ("mean KL(full ‖ system), nats", lambda s: s.kl_mean),
-        (
-            f"requests within KL {KL_CLOSE:g} (%)",
-            lambda s: None if s.close_rate is None else 100 * s.close_rate,
-        ),
-        ("first token = full prefill's (%)", lambda s: None if s.top1_rate is None else 100 * s.top1_rate),
+        (f"requests within KL {KL_CLOSE:g} (%)", lambda s: _percent(s.close_rate)),
+        ("first token = full prefill's (%)", lambda s: _percent(s.top1_rate)),
     )
     fig, axes = plt.subplots(len(rows), len(by_model), figsize=(6.2 * len(by_model), 11), squeeze=False)
     for col, (model, points) in enumerate(by_model.items()):
