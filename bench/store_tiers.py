@@ -159,7 +159,7 @@ def main() -> None:
 
     fp = KVFingerprint(
         "bench-weights", "bench-tokenizer", "float32", "float32", layout.num_layers,
-        layout.num_kv_heads, layout.head_dim, "bench", tuple(context),
+        layout.num_kv_heads, layout.head_dim, "bench", tuple(context), "prompt",
     )  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="kvsplice-bench-store-"))
     proc = None

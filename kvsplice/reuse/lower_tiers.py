@@ -105,6 +105,7 @@ def store_fingerprint(
         head_dim=cfg.head_dim,
         rope=f"layers={layers};window={cfg.sliding_window};{rope}",
         context_tokens=context,
+        segment_kv=config.segment_kv,
     )
 
 

@@ -1,8 +1,8 @@
 """What makes stored KV valid: two engines may share an entry only if all of it is equal.
 
 The engine fills a `KVFingerprint` once at start-up. Every entry carries it and every key is derived
-from it, so KV computed by another model, tokenizer, dtype, layout, RoPE or canonical context can
-never be found, let alone served.
+from it, so KV computed by another model, tokenizer, dtype, layout, RoPE, canonical context or way
+of making segment KV can never be found, let alone served.
 """
 
 from __future__ import annotations
@@ -38,12 +38,17 @@ class KVFingerprint:
     rope: str
     # The canonical context every segment is computed after (its KV depends on it).
     context_tokens: tuple[int, ...]
+    # How a segment's KV was made (EngineConfig.segment_kv): after the canonical context, or copied from
+    # the prompt that first carried it. The two differ for the same tokens, so they never share entries.
+    segment_kv: str
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in DTYPE_NAMES or self.kv_dtype not in DTYPE_NAMES:
             raise ConfigError(f"fingerprint dtypes must be in {DTYPE_NAMES}")
         if min(self.num_layers, self.num_kv_heads, self.head_dim) < 1:
             raise ConfigError("fingerprint layout sizes must be >= 1")
+        if self.segment_kv not in ("prompt", "canonical"):
+            raise ConfigError(f"fingerprint segment_kv must be prompt or canonical, not {self.segment_kv!r}")
         if not self.model_hash or not self.tokenizer_hash:
             raise ConfigError("fingerprint needs a model hash and a tokenizer hash")
 
