@@ -55,9 +55,11 @@ class EngineConfig:
         "requests queued beyond the running ones before new ones are refused", default=256
     )
     prefix_cache: str = _opt("prefix cache: hash (vLLM), radix (SGLang) or off", default="radix")
-    # query: lowest next-token KL at a 15% budget on the recall evaluation on Gemma 3 (0.094 against
-    # 0.16-0.20), and below recency on SmolLM2 too (bench/results/recall_*_8docs).
-    repair: str = _opt("repair policy for reused segments", default="query")
+    # lead: lowest next-token KL at a 15% budget on the recall evaluation, on both models (Gemma 3,
+    # 90 requests: 0.106 against query's 0.139, first token 87% against 79%; SmolLM2: 0.156 against
+    # 0.264), because the damage concentrates where the answer is in the first document
+    # (bench/results/recall_gemma_8docs_n90, recall_smollm2_8docs_sweep).
+    repair: str = _opt("repair policy for reused segments", default="lead")
     recompute_ratio: float = _opt("repair budget as a fraction of the reused segment tokens", default=0.15)
     recompute_tokens: int | None = _opt("repair budget in tokens (overrides the ratio)", default=None)
     repair_target: float = _opt(

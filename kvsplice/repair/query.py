@@ -102,10 +102,11 @@ class LeadQueryRepair(QueryRepair):
 
     In place the first reused segment follows only the start of the prompt (and, on a sliding-window
     layer, sees BOS), while its stored KV was computed after other content: on the recall evaluation the
-    damage concentrates where the answer is in the first document, on both models. Measured there
-    (Gemma 3, 8 documents, 30 requests, bench/results/recall_gemma_8docs_lead): KL 0.086 against query's
-    0.094 and the first-document KL 0.12 against 0.21, but first-token agreement 77% against 83%, so
-    it is an option, not the default.
+    damage concentrates where the answer is in the first document, on both models. Measured there at
+    15% (bench/results/recall_gemma_8docs_n90, 90 requests): KL 0.106 against query's 0.139, first
+    token 87% against 79%, accuracy 60% against 54% (full prefill 69%); the cost is the middle
+    position, where the budget the first document takes is missing (KL 0.17 against 0.07). It is the
+    default (EngineConfig.repair).
 
     Only the prompt's first segment leads. Where the prefix cache already gave it (an earlier request
     that started with the same segment, under segment keys, whose KV this policy had recomputed), the
