@@ -185,3 +185,9 @@ def test_lead_recomputes_the_first_reused_segment_first_then_by_the_question() -
     assert probe is not None
     probe.observer.score = scores.clone()  # type: ignore[attr-defined]
     assert policy.choose(later, probe, None) == (7, 8)
+    # A first segment longer than the budget: its tokens the question attends to most (3 and 4).
+    short = RepairTask(plan, 2, num_layers=4, model=cfg)
+    probe = policy.decide(short).probe
+    assert probe is not None
+    probe.observer.score = scores.clone()  # type: ignore[attr-defined]
+    assert policy.choose(short, probe, None) == (3, 4)

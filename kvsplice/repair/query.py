@@ -118,5 +118,8 @@ class LeadQueryRepair(QueryRepair):
         assert isinstance(probe.observer, QueryAttentionObserver)
         first = task.plan.spliced()[0]
         if first.segment == 0:
-            probe.observer.score[first.start : first.end] = float("inf")
+            score = probe.observer.score
+            # Above every other token, in the question's order: a first segment longer than the budget
+            # keeps the tokens the question attends to most (attention mass is finite and >= 0).
+            score[first.start : first.end] += score.max() + 1
         return super().choose(task, probe, logits)
