@@ -171,23 +171,20 @@ def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_ba
 def test_lead_recomputes_the_first_reused_segment_first_then_by_the_question() -> None:
     cfg = _tiny_llama()
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
-    task = RepairTask(plan, 4, num_layers=4, model=cfg)
     policy = make_policy("lead")
-    probe = policy.decide(task).probe
-    assert probe is not None
-    # The question attends most to 8 and 7; the lead segment (2..4) goes first whatever it scores.
+    # The question attends most to 8 and 7; the lead segment (2..4) goes first whatever it scores, up
+    # to half the budget, its own tokens by the question's attention (4, then 3, then 2).
     scores = torch.tensor([9.0, 9, 0.1, 0.2, 0.3, 9, 0.4, 5, 6, 9, 9, 9])
-    probe.observer.score = scores.clone()  # type: ignore[attr-defined]
-    assert policy.choose(task, probe, None) == (2, 3, 4, 8)
+
+    def choose(task: RepairTask) -> tuple[int, ...]:
+        probe = policy.decide(task).probe
+        assert probe is not None
+        probe.observer.score = scores.clone()  # type: ignore[attr-defined]
+        return policy.choose(task, probe, None)
+
+    assert choose(RepairTask(plan, 5, num_layers=4, model=cfg)) == (3, 4, 6, 7, 8)
+    assert choose(RepairTask(plan, 4, num_layers=4, model=cfg)) == (3, 4, 7, 8)
+    assert choose(RepairTask(plan, 2, num_layers=4, model=cfg)) == (4, 8)
     # The first segment came from the prefix cache (positions 0..5 exact): the second does not lead.
     later = RepairTask(make_plan(12, 6, [(2, 5, 0), (6, 9, 1)]), 2, num_layers=4, model=cfg)
-    probe = policy.decide(later).probe
-    assert probe is not None
-    probe.observer.score = scores.clone()  # type: ignore[attr-defined]
-    assert policy.choose(later, probe, None) == (7, 8)
-    # A first segment longer than the budget: its tokens the question attends to most (3 and 4).
-    short = RepairTask(plan, 2, num_layers=4, model=cfg)
-    probe = policy.decide(short).probe
-    assert probe is not None
-    probe.observer.score = scores.clone()  # type: ignore[attr-defined]
-    assert policy.choose(short, probe, None) == (3, 4)
+    assert choose(later) == (7, 8)
