@@ -56,9 +56,10 @@ class EngineConfig:
     )
     prefix_cache: str = _opt("prefix cache: hash (vLLM), radix (SGLang) or off", default="radix")
     # lead: lowest next-token KL at a 15% budget on the recall evaluation, on both models (Gemma 3,
-    # 90 requests: 0.106 against query's 0.139, first token 87% against 79%; SmolLM2: 0.156 against
-    # 0.264), because the damage concentrates where the answer is in the first document
-    # (bench/results/recall_gemma_8docs_n90, recall_smollm2_8docs_sweep).
+    # 90 requests: 0.106 against query's 0.139, first token 87% against 79%; 4 and 8 documents with
+    # its half-budget cap: 0.081 and 0.055 against 0.089 and 0.095; SmolLM2: 0.190 against 0.245),
+    # because the damage concentrates where the answer is in the first document
+    # (bench/results/recall_gemma_8docs_n90, recall_gemma_lead_share, recall_smollm2_8docs_lead).
     repair: str = _opt("repair policy for reused segments", default="lead")
     recompute_ratio: float = _opt("repair budget as a fraction of the reused segment tokens", default=0.15)
     recompute_tokens: int | None = _opt("repair budget in tokens (overrides the ratio)", default=None)

@@ -109,9 +109,10 @@ class LeadQueryRepair(QueryRepair):
     layer, sees BOS), while its stored KV was computed after other content: on the recall evaluation the
     damage concentrates where the answer is in the first document, on both models. Within the first
     segment the question's attention ranks too, and it takes at most `LEAD_SHARE` of the budget.
-    Measured on recall at 15% (Gemma 3, 30 requests per setting; query in brackets): 4 documents KL
-    0.081 (0.086), 8 documents 0.059 (0.100), where leading with the whole first segment gave 0.132
-    and 0.060 (bench/results/recall_gemma_lead_share). It is the default (EngineConfig.repair).
+    Measured on recall at 15% (Gemma 3, 30 requests per setting, bench/results/recall_gemma_lead_share;
+    query in brackets): 4 documents KL 0.081 (0.089), 8 documents 0.055 (0.095); leading with the whole
+    first segment gave 0.132 at 4 documents in an experiment run (its budget all went there). It is
+    the default (EngineConfig.repair).
 
     Only the prompt's first segment leads. Where the prefix cache already gave it (an earlier request
     that started with the same segment, under segment keys, whose KV this policy had recomputed), the
