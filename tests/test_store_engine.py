@@ -123,6 +123,21 @@ def test_a_segment_outlives_its_engine_on_disk(model_dir: Path, tmp_path: Path) 
     assert cold.metrics.segment_hit_tokens == 0
 
 
+def test_closing_right_after_the_first_request_still_writes_its_segments(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    # The copy into the store is background work after the request has answered: close() must do it,
+    # or the documents of an engine's last requests never reach the disk.
+    a = make_llm(model_dir, store_dir=str(tmp_path / "store"))
+    # One token: the request finishes in the step that prefilled it, before any step could copy.
+    a.generate([prompt([0, 1])], SamplingParams(max_tokens=1, temperature=0.0))
+    assert a.engine.store_work.busy
+    a.close()
+    assert len(list((tmp_path / "store").glob("*.kv"))) == 2
+    got = run(make_llm(model_dir, store_dir=str(tmp_path / "store")), [1, 0])
+    assert got.metrics.store_hit_tokens == {"disk": len(DOCS[0]) + len(DOCS[1])}
+
+
 def test_a_float16_store_halves_the_entries_and_serves_close_kv(model_dir: Path, tmp_path: Path) -> None:
     sizes = {}
     for dtype in ("float32", "float16"):

@@ -202,8 +202,11 @@ class Engine:
         return outputs
 
     def close(self) -> None:
-        """Finish the tiers' queued writes (a few seconds at most) and the queued KV events, then
-        release them. Requests still in the engine are not run."""
+        """Copy the segments queued for the store (the last requests' new documents: a copy is cheap,
+        and without it they would never reach the tiers below), finish the tiers' queued writes (a few
+        seconds at most) and the queued KV events, then release them. Requests still in the engine are
+        not run, nor queued store fills (segment_kv="canonical"), which would compute."""
+        self.store_work.copy()
         if self.lower is not None:
             self.lower.close()
         if self.events is not None:
