@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     load_start, t0 = load_average(), time.perf_counter()
     workload = make_workload("recall", WorkloadSpec(requests=args.requests, doc_counts=(8,)))
-    system = System("splice", "radix")
+    system = System("splice:lead@15", "radix", policy="lead", budget_pct=15)  # marks the documents
     warm = [prompt_parts(system, r) for r in workload.requests if r.warmup]
     measured = [prompt_parts(system, r) for r in workload.measured]
     docs = {d.text for r in workload.requests if r.warmup for d in r.docs}
