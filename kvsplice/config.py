@@ -15,9 +15,9 @@ from kvsplice.cache.registry import PREFIX_CACHE_NAMES
 from kvsplice.errors import ConfigError
 from kvsplice.repair.registry import POLICY_NAMES
 from kvsplice.store.config import StoreConfig
+from kvsplice.store.fingerprint import SEGMENT_KV
 from kvsplice.store.publisher import KVEventsConfig
 
-SEGMENT_KV = ("prompt", "canonical")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -17,6 +17,8 @@ import msgpack
 from kvsplice.errors import ConfigError
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+# How a segment's stored KV is made (EngineConfig.segment_kv).
+SEGMENT_KV = ("prompt", "canonical")
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,8 @@ class KVFingerprint:
             raise ConfigError(f"fingerprint dtypes must be in {DTYPE_NAMES}")
         if min(self.num_layers, self.num_kv_heads, self.head_dim) < 1:
             raise ConfigError("fingerprint layout sizes must be >= 1")
-        if self.segment_kv not in ("prompt", "canonical"):
-            raise ConfigError(f"fingerprint segment_kv must be prompt or canonical, not {self.segment_kv!r}")
+        if self.segment_kv not in SEGMENT_KV:
+            raise ConfigError(f"fingerprint segment_kv must be one of {SEGMENT_KV}, not {self.segment_kv!r}")
         if not self.model_hash or not self.tokenizer_hash:
             raise ConfigError("fingerprint needs a model hash and a tokenizer hash")
 
