@@ -16,14 +16,13 @@ Needs redis-server on PATH (started here on a free localhost port) or --redis-ur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,11 +30,11 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import redis
 import torch
 
 from kvsplice import LLM, SamplingParams
 from kvsplice.bench.results import cpu_name, load_average
+from kvsplice.bench.server_process import redis_server
 from kvsplice.loader.gguf import convert_gguf, default_model_path
 from kvsplice.store import (
     DiskTier,
@@ -96,25 +95,6 @@ def median_s(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory), "--save", "",
-         "--appendonly", "no", "--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    client = redis.Redis(port=port)
-    for _ in range(500):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.02)
-    return proc, f"redis://127.0.0.1:{port}/0"
-
-
 def recompute_s(llm: LLM, context: list[int], length: int, reps: int, rng: random.Random) -> float:
     """Median time to first token of context + a fresh segment, the context's KV cached."""
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -162,24 +142,15 @@ def main() -> None:
         layout.num_kv_heads, layout.head_dim, "bench", tuple(context), "prompt",
     )  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="kvsplice-bench-store-"))
-    proc = None
-    if args.redis_url is None:
-        assert shutil.which("redis-server"), "redis-server is not on PATH: pass --redis-url"
-        proc, redis_url = start_redis(tmp)
-    else:
-        redis_url = args.redis_url
-    disk = DiskTier(tmp / "disk", 64 * 2**30)
-    remote = RedisTier(redis_url, ttl_s=None, timeout_s=5.0, breaker=CircuitBreaker(3, 5.0))
     rows: list[Row] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+        redis_url = args.redis_url or stack.enter_context(redis_server(tmp))
+        disk = DiskTier(tmp / "disk", 64 * 2**30)
+        remote = RedisTier(redis_url, ttl_s=None, timeout_s=5.0, breaker=CircuitBreaker(3, 5.0))
+        stack.callback(remote.close)
         for n in args.lengths:
             rows += measure(n, fp, layout, disk, remote, args.reps, recompute[n], rng)
-    finally:
-        remote.close()
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
     write_report(args, rows, layout, load_start)
 
 

@@ -147,3 +147,41 @@ def test_a_capped_pool_is_noted_and_its_evictions_reported(tiny_dir: Path) -> No
     assert all(r.ok for r in result.records)
     notes = " ".join(result.notes)
     assert "cut: radix" in notes and "radix engine's radix tree evicted" in notes
+
+
+def test_a_run_after_a_restart_loads_the_documents_from_the_disk_tier(tiny_dir: Path, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    systems = ("splice:lead@15",)
+    first = run_bench(_config("rag", tiny_dir, systems=systems, engine=_store_engine(tiny_dir, store)))
+    # The first process wrote every document to disk; only the splice engine has tiers.
+    assert set(first.tier_stats) == {"splice"}
+    assert first.tier_stats["splice"]["disk"]["writes"] >= SMALL.pool
+    assert first.tier_stats["splice"]["disk"]["hits"] == 0
+    # A new process (a fresh engine) without warm-ups: the documents are new to its pool and come from disk.
+    again = run_bench(
+        _config("rag", tiny_dir, systems=systems, engine=_store_engine(tiny_dir, store), skip_warmup=True)
+    )
+    assert not any(r.warmup for r in again.records)
+    spliced = [r for r in again.records if r.system == "splice:lead@15"]
+    assert sum(r.store_hit_tokens.get("disk", 0) for r in spliced) > 0
+    assert all(r.store_hit_tokens.get("disk", 0) <= r.segment_hit_tokens for r in spliced)
+    assert spliced[0].store_load_s > 0
+    # Loaded documents are not store fill: nothing was missed, so nothing was put in the store.
+    assert all(r.store_tokens == 0 for r in spliced)
+    summary = {s.system: s for s in again.summaries}["splice:lead@15"]
+    assert summary.tier_hit_frac["disk"] > 0 and summary.store_load_mean_s is not None
+    assert again.tier_stats["splice"]["disk"]["hits"] > 0
+    assert again.tier_stats["splice"]["disk"]["corrupt"] == 0
+    # Without the tier, the same requests compute their documents: nothing comes from below the pool.
+    cold = run_bench(_config("rag", tiny_dir, systems=systems, skip_warmup=True))
+    assert cold.tier_stats == {}
+    assert all(not r.store_hit_tokens for r in cold.records)
+    report = write_report(again, tmp_path / "out", plots=False)
+    assert "## Store tiers" in report and "from disk" in report
+    assert "## Store tiers" not in write_report(cold, tmp_path / "cold", plots=False)
+    saved = BenchResult.from_json((tmp_path / "out" / "results.json").read_text())
+    assert saved.tier_stats == again.tier_stats
+
+
+def _store_engine(model: Path, store: Path) -> EngineConfig:
+    return EngineConfig(model=str(model), num_threads=1, store_dir=str(store))

@@ -98,6 +98,12 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
         "system, named <system>/plain: what auto_segments finds next to what the markup gives",
     )
     run = parser.add_argument_group("run")
+    run.add_argument(
+        "--skip-warmup",
+        action="store_true",
+        help="send only the measured requests: shared content is new to every pool, so with "
+        "--store-dir or --store-url filled by an earlier run it comes from there, as after a restart",
+    )
     run.add_argument("--out", type=Path, default=None, help="output directory (default: out/bench/WORKLOAD)")
     run.add_argument("--continuation", type=int, default=16, help="greedy tokens compared per request")
     run.add_argument("--kv-cache-gb", type=float, default=8.0, help="all engines' KV pools together, at most")
@@ -131,6 +137,7 @@ def _bench(args: argparse.Namespace) -> None:
             systems=tuple(args.systems or ()),
             budgets=budgets,
             unmarked=args.unmarked,
+            skip_warmup=args.skip_warmup,
             continuation=args.continuation,
             engine=EngineConfig.from_args(args),
             kv_cache_gb=args.kv_cache_gb,

@@ -58,6 +58,10 @@ class RequestRecord:
     recomputed_tokens: int = 0
     # Tokens computed after the first token to fill the segment store (missed segments, on their own).
     store_tokens: int = 0
+    # Segment tokens loaded into the pool from a tier below it (disk, Redis), by tier, and the seconds
+    # that took (read, verify, decode; part of the TTFT).
+    store_hit_tokens: dict[str, int] = field(default_factory=dict)
+    store_load_s: float = 0.0
     prefill_flops: float = 0.0
     ttft_s: float = 0.0
     kv_peak_bytes: int = 0
@@ -111,6 +115,10 @@ class SystemSummary:
     recomputed_frac: float | None = None
     # Tokens computed after the first token to fill the segment store, over the prompt tokens.
     store_fill_frac: float | None = None
+    # Prompt tokens loaded from each tier below the pool, over the prompt tokens (only tiers that
+    # served any), and the mean seconds per request spent loading them.
+    tier_hit_frac: dict[str, float] = field(default_factory=dict)
+    store_load_mean_s: float | None = None
     kl_mean: float | None = None
     kl_p95: float | None = None
     # Share of the compared requests whose KL is at most KL_CLOSE.
@@ -253,6 +261,8 @@ def _summary(name: str, records: list[RequestRecord]) -> SystemSummary:
         discovered_hit_frac=_frac(sum(r.discovered_hit_tokens for r in ok), prompt),
         recomputed_frac=_frac(sum(r.recomputed_tokens for r in ok), prompt),
         store_fill_frac=_frac(sum(r.store_tokens for r in ok), prompt),
+        tier_hit_frac=_tier_fracs(ok, prompt),
+        store_load_mean_s=_mean([r.store_load_s for r in ok]),
         kl_mean=_mean(kls),
         kl_p95=percentile(kls, 95),
         close_rate=close_rate(kls),
@@ -262,6 +272,14 @@ def _summary(name: str, records: list[RequestRecord]) -> SystemSummary:
         accuracy=_rate(r.correct for r in ok),
         peak_kv_bytes=max(r.kv_peak_bytes for r in ok),
     )
+
+
+def _tier_fracs(records: Sequence[RequestRecord], prompt: int) -> dict[str, float]:
+    tokens: dict[str, int] = defaultdict(int)
+    for r in records:
+        for tier, n in r.store_hit_tokens.items():
+            tokens[tier] += n
+    return {tier: n / prompt for tier, n in sorted(tokens.items())}
 
 
 def per_turn(records: Sequence[RequestRecord], systems: Sequence[str]) -> list[TurnSummary]:

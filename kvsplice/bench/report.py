@@ -96,6 +96,42 @@ def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
     return "\n".join(rows)
 
 
+STORE_LEGEND = (
+    "segment: prompt tokens moved from the segment store, as above; from <tier>: those loaded into the "
+    "pool from that tier for this request (the rest were in the pool already); load ms: mean per "
+    "request of the time spent reading, verifying and decoding them (part of the TTFT). Tier counters "
+    "at the end of the run: hits and misses are segment lookups below the pool; corrupt: entries that "
+    "failed verification (deleted, never served); errors: failed tier operations; dropped: writes "
+    "dropped (queue full or over budget)."
+)
+
+
+def store_tables(summaries: list[SystemSummary], tier_stats: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Where each system's segments came from, and each engine's tier counters."""
+    tiers = sorted({t for per_engine in tier_stats.values() for t in per_engine})
+    head = "| system | TTFT p50 ms | segment | " + " | ".join(f"from {t}" for t in tiers) + " | load ms |"
+    rows = [head, "|---|---:|---:|" + "---:|" * len(tiers) + "---:|"]
+    for s in summaries:
+        if not s.segment_hit_frac and not s.tier_hit_frac:
+            continue
+        cells = [_ms(s.ttft_p50_s), _pct(s.segment_hit_frac, 1)]
+        cells += [_pct(s.tier_hit_frac.get(t, 0.0), 1) for t in tiers]
+        cells.append("–" if s.store_load_mean_s is None else f"{s.store_load_mean_s * 1000:,.1f}")
+        rows.append(f"| {s.system} | " + " | ".join(cells) + " |")
+    counters = [
+        "| engine | tier | hits | misses | corrupt | errors | MiB read | MiB written | writes | dropped |",
+        "|---|---|" + "---:|" * 8,
+    ]
+    for engine, per_tier in tier_stats.items():
+        for tier, c in per_tier.items():
+            counters.append(
+                f"| {engine} | {tier} | {c['hits']:,.0f} | {c['misses']:,.0f} | {c['corrupt']:,.0f} "
+                f"| {c['errors']:,.0f} | {c['bytes_read'] / 2**20:,.1f} | {c['bytes_written'] / 2**20:,.1f} "
+                f"| {c['writes']:,.0f} | {c['dropped_writes']:,.0f} |"
+            )
+    return "\n".join(rows) + "\n\n" + "\n".join(counters)
+
+
 def _interval(value: Interval | None) -> str:
     if value is None:
         return "–"
@@ -217,6 +253,8 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
         "",
         LEGEND.format(close=f"{KL_CLOSE:g}"),
     ]
+    if r.tier_stats:
+        lines += ["", "## Store tiers", "", store_tables(r.summaries, r.tier_stats), "", STORE_LEGEND]
     if r.turns:
         lines += ["", "## Per turn", "", turn_tables(r.turns, r.systems)]
     groups = by_group(r.records, r.systems)

@@ -82,6 +82,8 @@ class BenchResult:
     turns: list[TurnSummary]
     # Warnings about the run (capped pools, evictions, engines that failed to start).
     notes: list[str] = field(default_factory=list)
+    # Counters of the tiers below the pool (TierStats fields), by engine and tier, at the end of the run.
+    tier_stats: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     started: str = ""
     wall_s: float = 0.0
 

@@ -67,6 +67,9 @@ class BenchConfig:
     budgets: tuple[float, ...] | None = None
     # Also send every request unmarked to a twin of each splice system (systems.unmarked).
     unmarked: bool = False
+    # Send only the measured requests: the shared content is new to every pool, so with a store tier
+    # (--store-dir, --store-url) filled by an earlier run it comes from there, as after a restart.
+    skip_warmup: bool = False
     # Greedy continuation length compared with the reference's.
     continuation: int = 16
     # Every engine's options (model, threads, dtypes, store, ...); the bench sets, per engine, its
@@ -164,6 +167,9 @@ class _Run:
                 prefix_cache="radix" if key == SPLICE_ENGINE else key,
                 # The prefix-cache systems and the reference reuse nothing beyond the prefix.
                 auto_segments=c.engine.auto_segments and key == SPLICE_ENGINE,
+                # Only segments go to the tiers below the pool: the other engines have none.
+                store_dir=c.engine.store_dir if key == SPLICE_ENGINE else None,
+                store_url=c.engine.store_url if key == SPLICE_ENGINE else None,
                 kv_cache_gb=gib,
                 max_num_seqs=1,
             )
@@ -176,7 +182,7 @@ class _Run:
     # -- running ----------------------------------------------------------------------------------
 
     def run(self) -> list[RequestRecord]:
-        requests = self.workload.requests
+        requests = [r for r in self.workload.requests if not (self.config.skip_warmup and r.warmup)]
         total = sum(len(self.systems) - r.warmup for r in requests)
         records: list[RequestRecord] = []
         with tqdm(
@@ -249,7 +255,12 @@ class _Run:
         record.discovered_hit_tokens = m.discovered_hit_tokens
         record.computed_tokens = m.computed_tokens
         record.recomputed_tokens = m.recomputed_tokens
-        record.store_tokens = engine.segment_store.stats.inserted_tokens - stored_before
+        # Segments promoted from a tier below enter the pool's store too, but were loaded, not computed.
+        promoted = sum(m.store_hit_tokens.values())
+        record.store_tokens = engine.segment_store.stats.inserted_tokens - stored_before - promoted
+        assert record.store_tokens >= 0, "the store grew by less than the segments promoted into it"
+        record.store_hit_tokens = dict(m.store_hit_tokens)
+        record.store_load_s = m.store_load_s
         record.prefill_flops = m.prefill_flops
         record.ttft_s = m.ttft_s
         record.kv_peak_bytes = peak * self.block_bytes
@@ -258,6 +269,23 @@ class _Run:
         if request.answers and self.tokenizer is not None:
             record.correct = is_correct(output.text, request.answers, at_start=request.answer_at_start)
         return record, output.first_logits
+
+    def close(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Close every engine (the splice engine's queued segments reach its tiers, so that a later run
+        finds them) and return the counters of each engine's tiers, by engine and tier."""
+        stats: dict[str, dict[str, dict[str, float]]] = {}
+        for key, slot in self.engines.items():
+            if slot.llm is None:
+                continue
+            engine = slot.llm.engine
+            lower = engine.lower
+            engine.store_work.copy()
+            if lower is not None and not lower.store.flush(timeout_s=120.0):
+                self.notes.append(f"the {key} engine's tier writes did not finish within 120 s")
+            slot.llm.close()
+            if lower is not None:
+                stats[key] = {tier: dataclasses.asdict(s) for tier, s in lower.store.stats().items()}
+        return stats
 
     def check_evictions(self) -> None:
         for key, count in self.evictions.items():
@@ -318,6 +346,9 @@ def run_bench(config: BenchConfig, workload: Workload | None = None) -> BenchRes
     machine = dataclasses.replace(machine, torch_threads=torch.get_num_threads())
     records = run.run()
     run.check_evictions()
+    tier_stats = run.close()
+    if config.skip_warmup:
+        run.notes.append("warm-up requests not sent (--skip-warmup): shared content was new to every pool")
     names = [s.name for s in systems]
     return BenchResult(
         workload=workload.name,
@@ -334,6 +365,7 @@ def run_bench(config: BenchConfig, workload: Workload | None = None) -> BenchRes
         summaries=summarize(records, names),
         turns=per_turn(records, names) if workload.has_turns else [],
         notes=run.notes,
+        tier_stats=tier_stats,
         started=started,
         wall_s=time.perf_counter() - t0,
     )

@@ -1,16 +1,19 @@
-"""A real `kvsplice serve` in a subprocess, for the serving benchmarks (and anything else that
-must talk to the server the way a client would)."""
+"""Real server processes for the benchmarks: `kvsplice serve` (for anything that must talk to the
+server the way a client would) and a local redis-server (for the store's remote tier)."""
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+import redis
 
 
 def free_port() -> int:
@@ -50,3 +53,33 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@contextlib.contextmanager
+def redis_server(directory: Path, maxmemory: str = "4gb", startup_s: float = 10.0) -> Iterator[str]:
+    """Start redis-server on a free localhost port (no persistence, LRU within `maxmemory`), yield its
+    URL, and stop it on exit. Raises if redis-server is not on PATH or does not answer in time."""
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("redis-server is not on PATH (apt-get install redis-server)")
+    port = free_port()
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory), "--save", "",
+         "--appendonly", "no", "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = redis.Redis(port=port)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {port}") from None
+                time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        client.close()
+        process.kill()
+        process.wait()
