@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--redis-url", default=None, help="default: start redis-server on a free port")
     parser.add_argument("--out", type=Path, default=Path("bench/results/store_tiers.md"))
     args = parser.parse_args()
+    if len(set(args.lengths)) < 2:
+        parser.error("--lengths needs two lengths or more: the break-even is a line fitted through them")
     torch.set_num_threads(1)
     rng = random.Random(0)
 
