@@ -132,6 +132,39 @@ def test_query_probes_the_question_and_recomputes_what_it_attends_to() -> None:
     assert policy.choose(task, probe, None) == (3, 8)
 
 
+def test_after_a_question_probe_only_the_question_runs_the_probe_layers_again() -> None:
+    """The chosen tokens and the question (the computed tokens after the last reused one) run from the
+    first layer; every other computed token resumes from the probe, so it runs each layer once."""
+    from collections import Counter
+
+    from kvsplice.reuse.prefill import RepairRun
+
+    # Positions 0-1 cached, 2-4 and 6-8 spliced, 5 (a new document, a separator) and 9-11 (the
+    # question) computed.
+    plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
+
+    def passes(score: list[float]) -> list[tuple[tuple[int, ...], range]]:
+        run = RepairRun(make_policy("query"), RepairTask(plan, 2, num_layers=4, model=_tiny_llama()))
+        run.first.observer.score = torch.tensor(score)  # type: ignore[union-attr]
+        found = [run.first]
+        while (following := run.next_pass(None)) is not None:
+            found.append(following)
+        return [(p.positions, p.layers) for p in found]
+
+    for score, chosen in [
+        ([9.0, 9, 0.1, 0.2, 0.3, 9, 0.4, 5, 6, 9, 9, 9], (7, 8)),
+        ([9.0, 9, 0.1, 3, 0.2, 9, 0.3, 0.4, 5, 9, 9, 9], (3, 8)),
+    ]:
+        runs = passes(score)
+        assert runs == [
+            ((5, 9, 10, 11), range(2)),
+            ((*chosen, 9, 10, 11), range(2)),
+            ((*sorted({5, *chosen}), 9, 10, 11), range(2, 4)),
+        ]
+        layers = Counter(pos for positions, span in runs for pos in positions for _ in span)
+        assert layers == {5: 4, chosen[0]: 4, chosen[1]: 4, 9: 6, 10: 6, 11: 6}
+
+
 def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_back() -> None:
     from kvsplice.repair.adaptive import AdaptiveRepair
     from kvsplice.repair.query import QueryAttentionObserver

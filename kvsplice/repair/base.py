@@ -6,8 +6,9 @@ the runner first computes the probe's positions (with every computed token) thro
 0..`last_layer` while the policy's `LayerObserver` watches them; then `choose` picks, from what it
 saw, at most `budget` spliced positions to recompute. With `resume`, the chosen (a subset of the
 probed) continue through the remaining layers from where the probe left them (CacheBlend's selection
-by KV deviation); without, they and the computed tokens run again from the first layer (a probe of
-the question's attention, which recomputes no spliced token itself).
+by KV deviation); without, the chosen run the probe's layers from the first one, then they and the
+computed tokens continue from there (a probe of the question's attention, which recomputes no
+spliced token itself: the computed tokens' first layers saw the chosen tokens' unrepaired KV).
 
 After a pass through every layer a policy may `refine`: from the next-token logits that pass gave, ask
 for more spliced positions to recompute (with the computed tokens, from the first layer), round after
@@ -46,7 +47,8 @@ class Probe:
     last_layer: int
     observer: LayerObserver
     # The chosen tokens and the computed ones resume from the probe's hidden states after last_layer
-    # (the chosen must then be among the probed positions); else they start again from layer 0.
+    # (the chosen must then be among the probed positions); else the chosen first run layers
+    # 0..last_layer, and then both resume (a probe through every layer: both start again from layer 0).
     resume: bool = True
 
 

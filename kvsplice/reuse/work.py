@@ -2,7 +2,9 @@
 
 A plain prefill is one pass: the prompt's uncached tokens through every layer. A repair that probes
 first (CacheBlend) is two: every candidate through the first layers, then the chosen ones through the
-rest, resuming from the hidden states the first pass left. Each pass runs chunk by chunk, in
+rest, resuming from the hidden states the first pass left. A probe of the question's attention is
+three: the computed tokens through the first layers, the chosen reused tokens through the same
+layers, then both through the rest. Each pass runs chunk by chunk, in
 position order, and chunking does not change the result: a query attends only to keys at or before
 its position, so when a pass's chunks run in position order every query reads exactly the keys it
 would read if the whole pass ran at once (the earlier chunks have written theirs on every layer of
@@ -50,9 +52,11 @@ class PrefillWork:
         self.flops = 0.0
         self._pass: Pass | None = None
         self._done = 0  # queries of the current pass already run
-        # Hidden states the previous pass left ([its queries, hidden]) and the row of each position.
+        # Hidden states the passes that stopped before the last layer left ([positions, hidden]), the row
+        # of each position, and the layer they stopped at (all carried rows are at the same depth).
         self._carry: torch.Tensor | None = None
         self._carry_rows: dict[int, int] = {}
+        self._carry_stop = 0
         self._outputs: list[torch.Tensor] = []
         self._start(first)
 
@@ -100,8 +104,7 @@ class PrefillWork:
         if self._done < len(current.positions):
             return None
         if current.layers.stop < self.num_layers:
-            self._carry = torch.cat(self._outputs)  # [queries of the pass, hidden]
-            self._carry_rows = {p: i for i, p in enumerate(current.positions)}
+            self._keep(current, torch.cat(self._outputs))  # [queries of the pass, hidden]
         self._outputs = []
         following = self._next_pass(result.logits)
         if following is not None:
@@ -114,9 +117,25 @@ class PrefillWork:
             return result.logits
         return None
 
+    def _keep(self, finished: Pass, hidden: torch.Tensor) -> None:
+        """Carry a finished pass's hidden states. Passes that stop at the same layer add to the carry
+        (a probe's computed tokens, then the chosen tokens through the probe's layers: the pass after
+        them resumes both); a pass that stops elsewhere replaces it."""
+        kept = []
+        if self._carry is not None and self._carry_stop == finished.layers.stop:
+            kept = [p for p in self._carry_rows if p not in set(finished.positions)]
+        if kept:
+            assert self._carry is not None
+            old = self._carry[torch.tensor([self._carry_rows[p] for p in kept], device=self._carry.device)]
+            hidden = torch.cat([old, hidden])  # [kept + the pass's queries, hidden]
+        self._carry = hidden
+        self._carry_rows = {p: i for i, p in enumerate([*kept, *finished.positions])}
+        self._carry_stop = finished.layers.stop
+
     def _start(self, p: Pass) -> None:
         assert p.positions and list(p.positions) == sorted(set(p.positions))
         if p.layers.start > 0:
             missing = set(p.positions) - self._carry_rows.keys()
             assert not missing, f"a pass resuming at layer {p.layers.start} needs hidden states it lacks"
+            assert self._carry_stop == p.layers.start, "a pass resumes where the carried states stopped"
         self._pass, self._done = p, 0
