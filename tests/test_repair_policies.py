@@ -174,13 +174,18 @@ def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_ba
     # 100 spliced tokens (positions 1..100) and a question (101..103); ranked by position, descending.
     plan = make_plan(104, 1, [(1, 101, 0)])
 
-    def run(target: float, estimates: list[torch.Tensor]) -> list[tuple[int, ...]]:
+    # Concentrated: the top 15% of the reused tokens hold 77% of the question's attention on them.
+    concentrated = torch.arange(104.0) ** 8
+
+    def run(
+        target: float, estimates: list[torch.Tensor], score: torch.Tensor = concentrated
+    ) -> list[tuple[int, ...]]:
         task = RepairTask(plan, 100, num_layers=4, model=cfg, target=target)
         policy = AdaptiveRepair()
         probe = policy.decide(task).probe
         assert probe is not None and probe.last_layer == 3 and not probe.resume
         assert isinstance(probe.observer, QueryAttentionObserver)
-        probe.observer.score = torch.arange(104.0)
+        probe.observer.score = score
         rounds = [policy.choose(task, probe, estimates[0])]
         for logits in estimates[1:]:
             more = policy.refine(task, logits)
@@ -199,6 +204,18 @@ def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_ba
     rounds = run(0.01, [a, b, a, b, a, b, a, b])
     assert [len(r) for r in rounds] == [5, 5, 10, 20, 100]
     assert rounds[-1] == tuple(range(1, 101))
+    # Attention spread evenly (few-shot): no sparse repair is trusted, the first round takes every
+    # reused token, whatever the estimates would have said.
+    assert run(0.01, [a, a, a], score=torch.ones(104)) == [tuple(range(1, 101))]
+    # Just below the trusted coverage, and just above it.
+    from kvsplice.repair.adaptive import TRUSTED_COVERAGE, coverage
+
+    assert coverage(concentrated[1:101], 0.15) > TRUSTED_COVERAGE > coverage(torch.ones(100), 0.15)
+    edge = torch.cat([torch.full((15,), 0.69 / 15), torch.full((85,), 0.31 / 85)])
+    assert coverage(edge, 0.15) == pytest.approx(0.69)
+    assert len(run(0.01, [a, a], score=torch.cat([torch.zeros(1), edge.flip(0), torch.zeros(3)]))[0]) == 100
+    edge = torch.cat([torch.full((15,), 0.71 / 15), torch.full((85,), 0.29 / 85)])
+    assert len(run(0.01, [a, a], score=torch.cat([torch.zeros(1), edge.flip(0), torch.zeros(3)]))[0]) == 5
 
 
 def test_lead_recomputes_the_first_reused_segment_first_then_by_the_question() -> None:
