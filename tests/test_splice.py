@@ -326,6 +326,24 @@ def test_a_request_admitted_before_the_copy_moves_the_kv_from_where_it_was_compu
     assert engine.pool.allocator.num_used == sum(-(-len(d) // bs) for d in DOCS[:2])
 
 
+def test_background_copies_go_one_segment_a_step_whatever_the_budget(model_dir: Path) -> None:
+    """A request that arrives while background work runs waits for it to end: with a budget that has
+    room for every copy, an idle step still copies one segment, so a newcomer waits for one copy at most."""
+    llm = _llm(model_dir, prefix_cache="off", max_num_batched_tokens=4096)
+    engine = llm.engine
+    engine.add_request(
+        [SYSTEM, Segment(DOCS[0]), Segment(DOCS[1]), Segment(DOCS[2]), QUESTION], SamplingParams(max_tokens=1)
+    )
+    while not engine.step():
+        pass
+    assert engine.store_work.holds_blocks and len(engine.segment_store) == 0
+    sizes = []
+    while engine.has_unfinished():
+        engine.step()
+        sizes.append(len(engine.segment_store))
+    assert sizes == [1, 2, 3] and not engine.store_work.holds_blocks
+
+
 def test_queued_copies_give_their_blocks_back_when_a_request_needs_the_memory(model_dir: Path) -> None:
     llm = _llm(model_dir, prefix_cache="off", kv_cache_gb=0.0007)
     engine = llm.engine
