@@ -309,6 +309,9 @@ def test_a_request_admitted_before_the_copy_moves_the_kv_from_where_it_was_compu
     while not (outputs := engine.step()):
         assert len(engine.segment_store) == 0
     assert [o.request_id for o in outputs] == ["next"] and len(engine.segment_store) == 0
+    # Served from the queued copies: hits for the store's counters (and /metrics), as after the copy.
+    stats = engine.segment_store.stats
+    assert (stats.lookups, stats.hits, stats.hit_tokens) == (4, 2, len(DOCS[0]) + len(DOCS[1]))
     done, stored = None, []
     while engine.has_unfinished():
         done = next((o.output for o in engine.step() if o.output is not None), done)

@@ -109,6 +109,13 @@ class SegmentStore:
             self._touch(entry)
         return entry
 
+    def count_queued_hit(self, tokens: tuple[int, ...]) -> None:
+        """A lookup that missed, served instead by a segment whose copy into the store is queued (its KV
+        moved from the request that computed it): a hit for the counters, as it will be once copied."""
+        assert self.stats.lookups > self.stats.hits, "a queued hit follows a lookup that missed"
+        self.stats.hits += 1
+        self.stats.hit_tokens += len(tokens)
+
     def insert(self, namespace: Hashable, tokens: tuple[int, ...], blocks: list[int]) -> None:
         """Keep the canonical sequence in `blocks`; the store takes over the caller's reference on each."""
         key = (namespace, tokens)

@@ -230,6 +230,7 @@ class ReusePath:
                 sources[index] = _KVSource(entry.blocks, 0, self.store.start_position)
                 available.append((span.start, span.end, index))
             elif queued is not None:
+                self.store.count_queued_hit(tokens)
                 sources[index] = _KVSource(queued.blocks, queued.start, queued.start)
                 available.append((span.start, span.end, index))
             elif span.start >= prefix_hit and all(m.tokens != tokens for m in missed):
