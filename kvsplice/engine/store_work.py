@@ -11,9 +11,9 @@
 None of it runs in a step with a prefill in it or a request waiting (the scheduler leaves no
 background budget there), so no first token waits for another request's store work. A request
 admitted while a copy is queued moves the segment's KV from the blocks of the request that computed it,
-which is what the copy would give it. Copies run in steps the engine has to spare, a step's token
-budget of segments at a time (at least one), so a request that arrives meanwhile waits for one
-segment's copy at most; or all at once when the head of the queue waits for the memory they hold.
+which is what the copy would give it. Copies run in steps the engine has to spare, one segment a step
+whatever the budget (Engine.step), so a request that arrives meanwhile waits for one segment's copy
+at most; or all at once when the head of the queue waits for the memory they hold.
 """
 
 from __future__ import annotations
