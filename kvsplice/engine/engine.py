@@ -194,10 +194,10 @@ class Engine:
         for request, tokens in batch.prefill:
             outputs += self._prefill_chunk(request, tokens)
         if batch.background_tokens > 0 and not self.store_work.copy(1):
-            # One segment's copy a step (copy(1) copies exactly one), whatever the budget: a request that
-            # arrives while it runs waits for one copy, not for every queued one (sent the moment a cold
-            # request had answered, a request waited for the copies of all six of its documents: 1.17x
-            # its idle TTFT). Fills (segment_kv="canonical") take the step's budget when no copy is queued.
+            # One segment's copy a step, whatever the budget: a request that arrives while it runs waits
+            # for one copy, not for every queued one (sent the moment a cold request had answered, a
+            # request waited for the copies of all six of its documents: 1.17x its idle TTFT). Fills
+            # (segment_kv="canonical") take the step's budget when no copy is queued.
             self.store_work.fill(batch.background_tokens)
         if self.events is not None:
             self.events.flush()

@@ -3,7 +3,7 @@
     queue(namespace, block_table, prefill)   after a prefill's last chunk: what it missed, and the spans
                                              it moved from earlier prompts, are queued
     pending(namespace, tokens)               where a queued segment's KV is until it is copied
-    copy(tokens)                             copy queued captures into the store, segment by segment (tens
+    copy(segments)                           copy queued captures into the store, segment by segment (tens
                                              of milliseconds each), and let go of the blocks held for them
     fill(tokens)                             one chunk of the segments computed again on their own
                                              (segment_kv="canonical")
@@ -101,15 +101,12 @@ class StoreWork:
                 return PendingKV(c.blocks, c.segment.start)
         return None
 
-    def copy(self, tokens: int | None = None) -> int:
-        """Copy queued segments' KV into the store, in order: at least one and at most `tokens` tokens of
-        them (None: all), letting go of the blocks held for them. Returns the tokens copied."""
+    def copy(self, segments: int | None = None) -> int:
+        """Copy the first `segments` queued segments' KV (None: all) into the store, in order, letting go
+        of the blocks held for them. Returns how many were copied."""
         runner, done = self.runner, 0
-        while self._copies:
-            c = self._copies[0]
-            if tokens is not None and done and done + len(c.segment.tokens) > tokens:
-                break
-            self._copies.popleft()
+        while self._copies and (segments is None or done < segments):
+            c = self._copies.popleft()
             m = c.segment
             captured = capture_in_place(
                 self.store, self.pool, runner.cfg, runner.freqs, c.namespace, m.tokens, c.blocks, m.start
@@ -118,7 +115,7 @@ class StoreWork:
                 self.lower.write_through(c.namespace, m.tokens)
             if c.release:
                 self.pool.allocator.decref(reversed(c.blocks))
-            done += len(m.tokens)
+            done += 1
         return done
 
     def fill(self, tokens: int) -> None:

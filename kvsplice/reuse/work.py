@@ -123,7 +123,8 @@ class PrefillWork:
         them resumes both); a pass that stops elsewhere replaces it."""
         kept = []
         if self._carry is not None and self._carry_stop == finished.layers.stop:
-            kept = [p for p in self._carry_rows if p not in set(finished.positions)]
+            again = set(finished.positions)
+            kept = [p for p in self._carry_rows if p not in again]
         if kept:
             assert self._carry is not None
             old = self._carry[torch.tensor([self._carry_rows[p] for p in kept], device=self._carry.device)]
