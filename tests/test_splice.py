@@ -136,6 +136,19 @@ def test_reuse_continues_past_a_missing_segment(model_dir: Path) -> None:
     assert again.metrics.segment_hit_tokens == len(DOCS[0]) + len(DOCS[1]) + len(DOCS[2])
 
 
+def test_a_segment_that_starts_like_a_cached_one_is_still_stored(model_dir: Path) -> None:
+    llm = _llm(model_dir, prefix_cache="radix", repair="recency")
+    first, second = [7, *DOCS[0][1:]], [7, *DOCS[1][1:]]
+    llm.generate([[SYSTEM, Segment(first), QUESTION]], GREEDY)
+    # Under segment keys the cached path matches the first token of the new segment too (same token,
+    # same place); the hit ends inside it.
+    out = llm.generate([[SYSTEM, Segment(second), QUESTION]], GREEDY)[0]
+    assert out.metrics.prefix_hit_tokens == len(SYSTEM) + 1
+    # The segment is stored all the same: elsewhere, a later request splices all of it.
+    again = llm.generate([[[4], Segment(second), QUESTION]], GREEDY)[0]
+    assert again.metrics.segment_hit_tokens == len(second)
+
+
 def test_exact_prefix_and_segments_work_together(model_dir: Path) -> None:
     llm = _llm(model_dir, prefix_cache="radix", repair="full")
     reference = _llm(model_dir, prefix_cache="off")

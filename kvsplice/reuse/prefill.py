@@ -233,7 +233,10 @@ class ReusePath:
                 self.store.count_queued_hit(tokens)
                 sources[index] = _KVSource(queued.blocks, queued.start, queued.start)
                 available.append((span.start, span.end, index))
-            elif span.start >= prefix_hit and all(m.tokens != tokens for m in missed):
+            elif all(m.tokens != tokens for m in missed):
+                # Also a segment the prefix hit ends inside: under segment keys that hit can run one token
+                # into a new segment that starts like a cached one ("The ..."); stored, the next request
+                # that carries it splices it.
                 missed.append(MissedSegment(tokens, span.start))
         discovered: set[int] = set()
         borrowed: list[BorrowedSpan] = []
