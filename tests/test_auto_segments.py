@@ -179,3 +179,34 @@ def test_auto_segments_off_reuses_only_the_prefix(default_model_dir) -> None:
     m = off.generate(_plain([2, 0, 1]), PARAMS)[0].metrics
     assert m.discovered_hit_tokens == 0 and m.segment_hit_tokens == 0
     assert m.computed_tokens == m.prompt_tokens - m.prefix_hit_tokens and len(off.engine.segment_store) == 0
+
+
+@pytest.mark.slow
+def test_the_next_turn_of_a_plain_prompt_takes_the_spliced_turn_as_its_prefix(auto: LLM) -> None:
+    options = RequestOptions(cache_salt="turns")
+    auto.generate(_plain([0, 1, 2]), PARAMS, options)
+    first = auto.generate(_plain([2, 0, 1]), PARAMS, options)[0]
+    assert first.metrics.discovered_hit_tokens > 0
+    assert auto.tokenizer is not None
+    follow_up = auto.tokenizer.encode("\nQuestion: Where is it?\nAnswer:")
+    turn = [*first.prompt_token_ids, *first.token_ids, *follow_up]
+    m = auto.generate([turn], PARAMS, options)[0].metrics
+    # The whole earlier turn, spliced KV and the answer read from it, is this turn's prefix (under
+    # segment keys that start where the first span was found); before, the hit stopped at that span
+    # and the passages were found, spliced and repaired again.
+    assert m.prefix_hit_tokens >= len(first.prompt_token_ids) + len(first.token_ids) - 1
+    assert m.discovered_hit_tokens == 0
+
+
+@pytest.mark.slow
+def test_a_span_found_before_a_marked_segment_never_reaches_a_plain_prefix(auto: LLM, llm: LLM) -> None:
+    options = RequestOptions(cache_salt="mixed")
+    auto.generate(_plain([1, 0]), PARAMS, options)
+    mixed = [INSTRUCTION, DOCS[0] + "\n\n", Segment(DOCS[2]), "\n\n" + QUESTION]
+    spliced = auto.generate([mixed], PARAMS, options)[0]
+    assert spliced.metrics.discovered_hit_tokens > 0 and spliced.metrics.segment_hit_tokens == 0
+    # The same text, plain, with an exact repair: whatever it takes from the prefix cache is exact.
+    text = INSTRUCTION + DOCS[0] + "\n\n" + DOCS[2] + "\n\n" + QUESTION
+    exact = auto.generate([text], PARAMS, RequestOptions("full", cache_salt="mixed"))[0]
+    want = llm.generate([text], PARAMS)[0]
+    torch.testing.assert_close(exact.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)

@@ -291,15 +291,54 @@ def test_segment_keys_tell_markup_and_settings_apart() -> None:
     from kvsplice.prompt import ParsedPrompt, SegmentSpan
 
     keys = SegmentKeys(vocab_size=100)
-    ids = (5, 6, 7, 8, 9, 6)
+    ids = (5, 6, 7, 8, 9, 6, 7)
     one = ParsedPrompt(ids, (SegmentSpan(1, 5),))
     two = ParsedPrompt(ids, (SegmentSpan(1, 3), SegmentSpan(3, 5)))
-    a = keys(one, "recency@15")
-    # Plain tokens keep their ids; segment tokens get ids above the vocabulary, the same every time.
-    assert a[0] == 5 and a[5] == 6 and min(a[1:5]) >= 100 and keys(one, "recency@15") == a
-    # Token 6 inside the segment is not token 6 outside it.
-    assert a[1] != a[5]
-    # Where a segment starts and the repair settings are part of the key.
-    assert keys(two, "recency@15")[3] != a[3] and keys(two, "recency@15")[4] == a[4]
-    assert all(x != y for x, y in zip(keys(one, "none@0")[1:5], a[1:5], strict=True))
-    assert keys(ParsedPrompt(ids), "recency@15") == list(ids)
+    a = keys(one, "recency@15", 1)
+    # Tokens before the first spliced one keep their ids; every token from it on gets an id above the
+    # vocabulary, the same every time, after the segment too (its KV read the spliced KV).
+    assert a[0] == 5 and min(a[1:]) >= 100 and keys(one, "recency@15", 1) == a
+    # Token 6 where a segment starts is not token 6 elsewhere; elsewhere, a token is keyed alike.
+    assert a[1] != a[5] and a[2] == a[6]
+    # Where a segment starts, where splicing starts and the repair settings are part of the key.
+    assert keys(two, "recency@15", 1)[3] != a[3] and keys(two, "recency@15", 1)[4] == a[4]
+    assert keys(one, "recency@15", 3)[1:3] == [6, 7]
+    assert all(x != y for x, y in zip(keys(one, "none@0", 1)[1:], a[1:], strict=True))
+    assert keys.generated(6, "recency@15") == a[5]
+
+
+def test_segment_keys_start_where_the_first_span_is_found() -> None:
+    from kvsplice.cache.segment_keys import SegmentKeys
+    from kvsplice.prompt import ParsedPrompt, SegmentSpan
+
+    keys = SegmentKeys(vocab_size=100)
+    ids = list(range(10, 30))
+    prompt = ParsedPrompt(tuple(ids), (SegmentSpan(12, 16),))
+    cached: list[list[int]] = []
+
+    def peek(x: list[int]) -> int:
+        return max(
+            (
+                next((i for i, (p, q) in enumerate(zip(c, x, strict=False)) if p != q), min(len(c), len(x)))
+                for c in cached
+            ),
+            default=0,
+        )
+
+    # Nothing spliced or an exact repair: plain ids.
+    assert keys.choose(ParsedPrompt(tuple(ids)), "s", True, peek).approximate_from is None
+    assert keys.choose(prompt, "s", False, peek, lambda hit: 4).approximate_from is None
+    # A span found before the first marked segment: segment keys start there, at its plain prefix hit.
+    cached.append(ids[:3])
+    seen = []
+    chosen = keys.choose(prompt, "s", True, peek, lambda hit: seen.append(hit) or 4)
+    assert (
+        seen == [3]
+        and chosen.approximate_from == 4
+        and chosen.ids[:4] == ids[:4]
+        and min(chosen.ids[4:]) >= 100
+    )
+    assert keys.choose(prompt, "s", True, peek).approximate_from == 12
+    # A plain prefix that runs past the first spliced position wins.
+    cached.append(ids[:15])
+    assert keys.choose(prompt, "s", True, peek, lambda hit: None).approximate_from is None

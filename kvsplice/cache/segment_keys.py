@@ -1,16 +1,23 @@
-"""Prefix-cache keys for prompts with segments, so that a request's spliced KV can be reused as a prefix.
+"""Prefix-cache keys for prompts whose KV is approximate from some point on, so that it can be reused
+as a prefix all the same.
 
-A spliced request's KV is approximate from its first reused segment on, and the prefix caches index
-token ids: under its plain token ids, that KV could be served to a request that expects a full
-prefill. Under segment keys, every token inside a segment is replaced by an id of its own, above the
-vocabulary, that stands for (token, first of its segment or not, repair settings). A path through
-such ids can only be matched by a request with the same prompt start, the same segment markup and the
-same repair settings: one whose own prefill would splice and repair the same segments at the same
-places. Such a request may take that KV as its prefix: it is the KV an earlier request with that
-prompt start computed and answered from (a chat turn that extends the previous one reads exactly the
-KV the previous answer came from). Plain tokens keep their ids, so an instruction before the first
-segment stays shared with every other request; tokens after a segment keep theirs too, and are told
-apart by the path they hang on.
+A request that splices reused KV (marked segments, or spans found without markup) has approximate KV
+from its first spliced token on: every later token reads it. The prefix caches index ids: under the
+plain token ids, that KV could be served to a request that expects a full prefill. Under segment
+keys, the tokens before the first spliced one keep their ids (an instruction stays shared with every
+other request) and every token from it on, generated tokens included, is replaced by an id of its
+own, above the vocabulary, that stands for (token, a marked segment starts here, repair settings).
+
+A path through such ids can only be matched by a request with the same tokens, the same first
+spliced position, the same marked segment starts and the same repair settings: one whose own prefill
+would splice the same content there and repair it the same way. Such a request may take that KV as
+its prefix: it is the KV an earlier request with that prompt start computed and answered from (a chat
+turn that extends the previous one reads exactly the KV the previous answer came from). Found spans
+leave no mark in the keys beyond where the first one starts: the next turn finds the same content
+with other boundaries (what was new last time is in the store now), and it still matches.
+
+Keys are a function of the start only, so a hit can end inside a segment that merely starts like a
+cached one (two documents that both start "The ..."); the reuse path stores that segment all the same.
 """
 
 from __future__ import annotations
@@ -24,16 +31,21 @@ from kvsplice.prompt import ParsedPrompt
 class SegmentKeys:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        # (token, first of its segment, repair settings) -> key id; ids are handed out in order, so two
-        # different triples never share one (a hash could collide and serve the wrong KV).
+        # (token, a marked segment starts here, repair settings) -> key id; ids are handed out in order,
+        # so two different triples never share one (a hash could collide and serve the wrong KV).
         self._ids: dict[tuple[int, bool, Hashable], int] = {}
 
-    def __call__(self, prompt: ParsedPrompt, settings: Hashable) -> list[int]:
+    def __call__(self, prompt: ParsedPrompt, settings: Hashable, first: int) -> list[int]:
+        """The prompt's keys when its KV is approximate from position `first` on."""
+        starts = {span.start for span in prompt.segments}
         keys = list(prompt.token_ids)
-        for span in prompt.segments:
-            for i in range(span.start, span.end):
-                keys[i] = self._id((keys[i], i == span.start, settings))
+        for i in range(first, len(keys)):
+            keys[i] = self._id((keys[i], i in starts, settings))
         return keys
+
+    def generated(self, token: int, settings: Hashable) -> int:
+        """The key of a token a segment-keyed request generated."""
+        return self._id((token, False, settings))
 
     def _id(self, triple: tuple[int, bool, Hashable]) -> int:
         key = self._ids.get(triple)
@@ -42,22 +54,36 @@ class SegmentKeys:
         return key
 
     def choose(
-        self, prompt: ParsedPrompt, settings: Hashable, approximate: bool, peek: Callable[[list[int]], int]
+        self,
+        prompt: ParsedPrompt,
+        settings: Hashable,
+        approximate: bool,
+        peek: Callable[[list[int]], int],
+        first_found: Callable[[int], int | None] = lambda hit: None,
     ) -> CacheKeys:
         """The ids a request is cached under: plain token ids, or segment keys when the request splices
         with a repair that leaves KV approximate and they match at least as much (`peek`: the prefix
         cache's hit for some ids): then its KV, approximate or not, enters the prefix cache under them
-        and later requests that extend it reuse it."""
+        and later requests that extend it reuse it. `first_found(hit)`: where the first span found
+        without markup after the plain prefix hit `hit` starts, if any."""
         plain = list(prompt.token_ids)
-        if not prompt.segments or not approximate:
-            return CacheKeys(plain, False)
-        keys = self(prompt, settings)
-        if peek(keys) >= peek(plain):
-            return CacheKeys(keys, True)
-        return CacheKeys(plain, False)
+        if not approximate:
+            return CacheKeys(plain, None)
+        plain_hit = peek(plain)
+        starts = [span.start for span in prompt.segments]
+        found = first_found(plain_hit)
+        if found is not None:
+            starts.append(found)
+        if not starts:
+            return CacheKeys(plain, None)
+        first = min(starts)
+        keys = self(prompt, settings, first)
+        if peek(keys) >= plain_hit:
+            return CacheKeys(keys, first)
+        return CacheKeys(plain, None)
 
 
 class CacheKeys(NamedTuple):
     ids: list[int]
-    # The ids are segment keys: all of the request's KV may be indexed, approximate or not.
-    segment_keyed: bool
+    # Where segment keys start (the first spliced position the request may have); None: plain ids.
+    approximate_from: int | None

@@ -7,6 +7,8 @@ request that does not fit waits, at the head of the queue, until finished reques
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+
 import torch
 
 from kvsplice.cache.base import PrefixCache
@@ -14,12 +16,24 @@ from kvsplice.cache.segment_keys import SegmentKeys
 from kvsplice.engine.request import Admission, Request
 from kvsplice.errors import OutOfBlocksError
 from kvsplice.kv.pool import KVPool
+from kvsplice.prompt import ParsedPrompt
 from kvsplice.repair.registry import POLICIES
+
+# (namespace, prompt, plain prefix hit) -> where the first span found without markup starts, if any
+FirstFound = Callable[[Hashable, ParsedPrompt, int], int | None]
 
 
 class BlockManager:
-    def __init__(self, pool: KVPool, prefix_cache: PrefixCache, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        prefix_cache: PrefixCache,
+        max_model_len: int,
+        vocab_size: int,
+        first_found: FirstFound = lambda namespace, prompt, hit: None,
+    ) -> None:
         self.pool = pool
+        self.first_found = first_found
         self.allocator = pool.allocator
         self.prefix_cache = prefix_cache
         self.max_model_len = max_model_len
@@ -44,6 +58,7 @@ class BlockManager:
             request.repair,
             approximate,
             lambda ids: self.prefix_cache.peek(seq.namespace, ids),
+            lambda hit: self.first_found(seq.namespace, request.prompt, hit),
         )
         seq.keys = keys.ids
         hit = self.prefix_cache.acquire(seq)
@@ -66,7 +81,7 @@ class BlockManager:
             self.allocator.decref([shared])
             table[-1] = own
         seq.block_table = table + fresh
-        return Admission(hit.num_tokens, keys.segment_keyed)
+        return Admission(hit.num_tokens, keys.approximate_from)
 
     def computed(self, request: Request) -> None:
         """The request's written KV grew (its prefill finished, or a decode step ran)."""

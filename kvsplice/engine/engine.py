@@ -101,7 +101,11 @@ class Engine:
             self.prefix_cache.listener = self.events
             self.segment_store.watch(self.events)
         self.blocks = BlockManager(
-            self.pool, self.prefix_cache, self.max_model_len, self.model_config.vocab_size
+            self.pool,
+            self.prefix_cache,
+            self.max_model_len,
+            self.model_config.vocab_size,
+            self.reuse.first_found,
         )
         self.scheduler = Scheduler(
             self.blocks,
@@ -238,6 +242,7 @@ class Engine:
             request.repair,
             request.seq.block_table,
             request.admission.prefix_hit_tokens,
+            request.admission.approximate_from,
             self.store_work.pending,
         )
 
@@ -286,11 +291,11 @@ class Engine:
         token goes out."""
         if self.reuse.finder is not None:
             # Only what the prefix cache keeps under plain token ids, so that what is found there can
-            # be moved from it: the exact part, or under segment keys what precedes the first segment.
+            # be moved from it: the exact part, or under segment keys what precedes them.
             prompt, admission = request.prompt, request.admission
             assert admission is not None
-            if admission.segment_keyed:
-                kept = prompt.segments[0].start
+            if admission.approximate_from is not None:
+                kept = admission.approximate_from
             else:
                 exact = prefill.exact_until
                 kept = len(prompt.token_ids) if exact is None else exact
@@ -308,7 +313,9 @@ class Engine:
         token = sample(logits, request.params, request.generator)
         if not request.output_ids:
             request.metrics.ttft_s = time.perf_counter() - request.arrival
-        request.seq.keys.append(token)
+        assert request.admission is not None
+        keyed = request.admission.segment_keyed
+        request.seq.keys.append(self.blocks.segment_keys.generated(token, request.repair) if keyed else token)
         out = self.outputs.append(request, token)
         if request.finish_reason is None:
             return out

@@ -29,8 +29,13 @@ class Admission:
     which holds room for the whole request) and how the prefix cache keys it."""
 
     prefix_hit_tokens: int
-    # Keyed by segment keys (cache/segment_keys.py): all its KV may be indexed, approximate or not.
-    segment_keyed: bool
+    # Where its segment keys start (cache/segment_keys.py): all its KV may be indexed, approximate or
+    # not, and nothing before it may be spliced. None: keyed by its plain token ids.
+    approximate_from: int | None
+
+    @property
+    def segment_keyed(self) -> bool:
+        return self.approximate_from is not None
 
 
 @dataclass

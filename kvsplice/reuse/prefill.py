@@ -204,11 +204,14 @@ class ReusePath:
         settings: RepairSettings,
         block_table: Sequence[int],
         prefix_hit: int,
+        approximate_from: int | None = None,
         pending: Callable[[Hashable, tuple[int, ...]], PendingKV | None] = lambda namespace, tokens: None,
     ) -> Prefill:
         """Plan, place and set up the repair of a prompt whose first `prefix_hit` tokens hold exact cached
-        KV in `block_table` (which has room for every prompt token). `pending`: where a segment whose
-        copy into the store is queued has its KV, if it is one."""
+        KV in `block_table` (which has room for every prompt token). `approximate_from`: where the
+        request's segment keys start (None: plain ids); nothing before it is spliced, since the prefix
+        cache keeps that KV under plain ids. `pending`: where a segment whose copy into the store is
+        queued has its KV, if it is one."""
         n = len(prompt.token_ids)
         wanted = {
             index: prompt.segment_tokens(span)
@@ -241,7 +244,10 @@ class ReusePath:
         discovered: set[int] = set()
         borrowed: list[BorrowedSpan] = []
         if self.finder is not None:
-            covered = [(0, prefix_hit), *((s.start, s.end) for s in prompt.segments)]
+            # A span found before the segment keys start would put approximate KV under plain ids: only
+            # when the store gained it between admission and now, which is rare.
+            exact = max(prefix_hit, approximate_from or 0)
+            covered = [(0, exact), *((s.start, s.end) for s in prompt.segments)]
             found = self.finder.find(namespace, prompt.token_ids, covered)
             index = len(prompt.segments)
             for reused in found.reused:
@@ -284,6 +290,16 @@ class ReusePath:
             next_pass=run.next_pass,
         )
         return Prefill(plan, budget, work, run, tuple(missed), promoted=promoted, borrowed=tuple(borrowed))
+
+    def first_found(self, namespace: Hashable, prompt: ParsedPrompt, prefix_hit: int) -> int | None:
+        """Where the first span found without markup after a prefix hit of `prefix_hit` tokens starts,
+        if the finder finds one (admission keys the request by it: cache/segment_keys.py)."""
+        if self.finder is None:
+            return None
+        covered = [(0, prefix_hit), *((s.start, s.end) for s in prompt.segments)]
+        found = self.finder.find(namespace, prompt.token_ids, covered)
+        starts = [s.start for s in found.reused] + [s.start for s in found.new]
+        return min(starts, default=None)
 
     def _promote(self, namespace: Hashable, segments: list[tuple[int, ...]]) -> tuple[Promotion, ...]:
         """Load the segments the pool's store lacks from the tiers below, where they hold them."""
