@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvsplice.bench.base import BenchRequest, Doc
 from kvsplice.bench.breakdown import ALL, by_group
-from kvsplice.bench.metrics import RequestRecord, is_correct, per_turn, summarize
+from kvsplice.bench.metrics import RequestRecord, compare, is_correct, per_turn, summarize
 from kvsplice.bench.plots import write_plots
-from kvsplice.bench.report import markdown
+from kvsplice.bench.report import breakdown_tables, markdown
 from kvsplice.bench.results import BenchResult, MachineInfo
 from kvsplice.bench.stats import paired_difference, wilson
 
@@ -183,13 +184,30 @@ def _result(records: list[RequestRecord], systems: list[str]) -> BenchResult:
     )
 
 
+def test_top1_where_the_full_prefill_is_sure() -> None:
+    # Full prefills that give the first token 0.5 against 0.4 (torn) and 0.7 against 0.2 (sure).
+    torn, sure = torch.tensor([0.5, 0.4, 0.1]).log(), torch.tensor([0.7, 0.2, 0.1]).log()
+    flipped = torch.tensor([0.4, 0.5, 0.1]).log()
+    records = []
+    for i, (ref_logits, logits) in enumerate([(torn, flipped), (sure, sure), (sure, flipped)]):
+        reference = _record("off", f"r{i}", "8 docs", "first", True)
+        record = _record("splice:lead@15", f"r{i}", "8 docs", "first", True)
+        compare(record, reference, logits, ref_logits)
+        records += [reference, record]
+    assert [r.reference_margin for r in records[1::2]] == pytest.approx([0.1, 0.5, 0.5])
+    row = {r.system: r for r in by_group(records, ["off", "splice:lead@15"])}["splice:lead@15"]
+    # Two flips in three; of the two sure requests one flipped.
+    assert row.top1_rate == pytest.approx(1 / 3) and (row.top1_sure_rate, row.sure) == (0.5, 2)
+    assert "| 50% (2) |" in breakdown_tables(by_group(records, ["off", "splice:lead@15"]), "off")
+
+
 def test_report_shows_the_breakdown_and_round_trips(tmp_path: Path) -> None:
     systems = ["off", "splice:none@0"]
     result = _result(_records(), systems)
     text = markdown(result)
     assert "## By setting and answer position" in text
     assert "### 4 docs" in text and "### 8 docs" in text and "### All settings" in text
-    assert "| middle | splice:none@0 | 2/2 | 0% [0–66] | -100 [-100, -7] | 0.5000 | 0% | 0% | – |" in text
+    assert "| middle | splice:none@0 | 2/2 | 0% [0–66] | -100 [-100, -7] | 0.5000 | 0% | 0% | – (0) | – |" in text
     assert "| all | off | 6/6 | 100% [61–100] | – |" in text
     assert "| all | splice:none@0 | 5/6 (1 failed) |" not in text and "| all | splice:none@0 | 5/6 |" in text
     again = BenchResult.from_json(result.to_json())

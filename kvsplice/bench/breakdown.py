@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvsplice.bench.metrics import RequestRecord, close_rate
+from kvsplice.bench.metrics import RequestRecord, close_rate, sure_top1
 from kvsplice.bench.stats import Interval, paired_difference, wilson
 
 # A group over every position (or every setting).
@@ -32,6 +32,10 @@ class GroupSummary:
     # Share of the compared requests whose KL is at most metrics.KL_CLOSE.
     close_rate: float | None = None
     top1_rate: float | None = None
+    # Top-1 agreement where the full prefill was sure of its first token (metrics.SURE_MARGIN), and
+    # over how many requests.
+    top1_sure_rate: float | None = None
+    sure: int = 0
     # Mean leading tokens of the continuation equal to the full prefill's.
     matched_mean: float | None = None
 
@@ -79,6 +83,7 @@ def _row(
     kls = [r.kl for r in ok if r.kl is not None]
     top1 = [r.top1 for r in ok if r.top1 is not None]
     matched = [r.matched_tokens for r in ok if r.matched_tokens is not None]
+    top1_sure, sure = sure_top1(ok)
     return GroupSummary(
         setting=setting,
         answer_position=position,
@@ -90,5 +95,7 @@ def _row(
         kl_mean=sum(kls) / len(kls) if kls else None,
         close_rate=close_rate(kls),
         top1_rate=sum(top1) / len(top1) if top1 else None,
+        top1_sure_rate=top1_sure,
+        sure=sure,
         matched_mean=sum(matched) / len(matched) if matched else None,
     )

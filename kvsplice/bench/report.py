@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvsplice.bench.breakdown import ALL, GroupSummary, by_group
-from kvsplice.bench.metrics import KL_CLOSE, SystemSummary, TurnSummary
+from kvsplice.bench.metrics import KL_CLOSE, SURE_MARGIN, SystemSummary, TurnSummary
 from kvsplice.bench.results import BenchResult
 from kvsplice.bench.stats import Interval
 
@@ -31,7 +31,9 @@ BREAKDOWN_LEGEND = (
     "interval for paired outcomes (Newcombe's score method): an interval below 0 is a loss the run "
     "shows, one that spans 0 is not told apart from none. KL, top-1 and match as above; the first "
     "generated token is the answer's own first token, so top-1 says whether the system would answer "
-    "as the full prefill does."
+    "as the full prefill does. top-1 (sure): the same over the requests (their number in brackets) "
+    "whose full prefill gave its first token at least {sure:g} more probability than the runner-up; "
+    "where it gave less, the full prefill itself is torn between two answers."
 )
 
 
@@ -148,11 +150,11 @@ def breakdown_tables(rows: list[GroupSummary], reference: str) -> str:
     """A table per setting (and one over all settings): per answer position, a row per system."""
     head = (
         f"| position | system | done | accuracy [95% CI] | Δ vs {reference} [95% CI] | KL "
-        f"| KL ≤ {KL_CLOSE:g} | top-1 | match |"
+        f"| KL ≤ {KL_CLOSE:g} | top-1 | top-1 (sure) | match |"
     )
     tables: dict[str, list[str]] = {}
     for row in rows:
-        lines = tables.setdefault(row.setting, [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"])
+        lines = tables.setdefault(row.setting, [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"])
         done = f"{row.requests - row.failed}/{row.requests}"
         cells = [
             _interval(row.accuracy),
@@ -160,6 +162,7 @@ def breakdown_tables(rows: list[GroupSummary], reference: str) -> str:
             _kl(row.kl_mean),
             _pct(row.close_rate),
             _pct(row.top1_rate),
+            "–" if row.system == reference else f"{_pct(row.top1_sure_rate)} ({row.sure})",
             "–" if row.matched_mean is None else f"{row.matched_mean:.1f}",
         ]
         lines.append(f"| {row.answer_position} | {row.system} | {done} | " + " | ".join(cells) + " |")
@@ -265,7 +268,7 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
             "",
             breakdown_tables(groups, r.systems[0]),
             "",
-            BREAKDOWN_LEGEND.format(reference=r.systems[0]),
+            BREAKDOWN_LEGEND.format(reference=r.systems[0], sure=SURE_MARGIN),
         ]
     failures = Counter((x.system, x.error) for x in r.records if x.error is not None)
     if failures:
