@@ -207,7 +207,10 @@ def test_report_shows_the_breakdown_and_round_trips(tmp_path: Path) -> None:
     text = markdown(result)
     assert "## By setting and answer position" in text
     assert "### 4 docs" in text and "### 8 docs" in text and "### All settings" in text
-    assert "| middle | splice:none@0 | 2/2 | 0% [0–66] | -100 [-100, -7] | 0.5000 | 0% | 0% | – (0) | – |" in text
+    assert (
+        "| middle | splice:none@0 | 2/2 | 0% [0–66] | -100 [-100, -7] | 0.5000 | 0% | 0% | – (0) | – |"
+        in text
+    )
     assert "| all | off | 6/6 | 100% [61–100] | – |" in text
     assert "| all | splice:none@0 | 5/6 (1 failed) |" not in text and "| all | splice:none@0 | 5/6 |" in text
     again = BenchResult.from_json(result.to_json())
