@@ -165,6 +165,30 @@ def test_after_a_question_probe_only_the_question_runs_the_probe_layers_again() 
         assert layers == {5: 4, chosen[0]: 4, chosen[1]: 4, 9: 6, 10: 6, 11: 6}
 
 
+def test_a_new_document_after_the_last_reused_one_is_not_the_question() -> None:
+    from collections import Counter
+
+    from kvsplice.reuse.prefill import RepairRun
+
+    # Positions 0-1 cached, 2-4 spliced, 5-8 a marked document new to the store (computed), 9-11 the
+    # question.
+    plan = make_plan(12, 2, [(2, 5, 0)], question_from=9)
+    assert plan.question() == (9, 10, 11)
+    # Without markup there is no telling a document from the question: all that follows the last reuse.
+    assert make_plan(12, 2, [(2, 5, 0)]).question() == tuple(range(5, 12))
+    # A prompt that ends with its last marked segment: the question is at least the last token.
+    assert make_plan(12, 2, [(2, 5, 0)], question_from=12).question() == (11,)
+    run = RepairRun(make_policy("query"), RepairTask(plan, 1, num_layers=4, model=_tiny_llama()))
+    assert run.first.observer._watched.nonzero().squeeze(1).tolist() == [9, 10, 11]  # type: ignore[union-attr]
+    run.first.observer.score = torch.tensor([9.0, 9, 0.1, 3, 0.2, 9, 9, 9, 9, 9, 9, 9])  # type: ignore[union-attr]
+    runs = [(run.first.positions, run.first.layers)]
+    while (following := run.next_pass(None)) is not None:
+        runs.append((following.positions, following.layers))
+    # The new document runs each layer once, resuming from the probe like any computed token before it.
+    layers = Counter(pos for positions, span in runs for pos in positions for _ in span)
+    assert layers == {5: 4, 6: 4, 7: 4, 8: 4, 3: 4, 9: 6, 10: 6, 11: 6}
+
+
 def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_back() -> None:
     from kvsplice.repair.adaptive import AdaptiveRepair
     from kvsplice.repair.query import QueryAttentionObserver

@@ -70,13 +70,12 @@ def probe_layers(cfg: ModelConfig) -> frozenset[int]:
 
 
 def question_probe(task: RepairTask, last_layer: int) -> Probe:
-    """A probe of the question's attention to the reused tokens on the probe layers: the computed tokens
-    after the last reused one run through layers 0..last_layer (recomputing no reused token) and start
-    again from the first layer afterwards."""
+    """A probe of the question's attention (plan.question()) to the reused tokens on the probe layers:
+    the computed tokens run through layers 0..last_layer (recomputing no reused token), the question's
+    attention is summed, and the question starts again from the first layer afterwards."""
     plan = task.plan
     assert task.model is not None, "probing the question needs the model's layer types"
-    last_spliced = plan.positions(SpanKind.SPLICED)[-1]
-    question = tuple(p for p in plan.positions(SpanKind.COMPUTE) if p > last_spliced)
+    question = plan.question()
     layers = probe_layers(task.model)
     observer = QueryAttentionObserver(question, layers, plan.num_tokens, task.model.attn_scale)
     return Probe((), last_layer, observer, resume=False)

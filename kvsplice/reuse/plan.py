@@ -37,8 +37,12 @@ class Span:
 class Plan:
     num_tokens: int
     spans: tuple[Span, ...]
+    # The question starts no earlier than this: where the prompt's last marked segment ends (a document
+    # new to the store after the last reused one is computed, but it is a document, not the question).
+    question_from: int = 0
 
     def __post_init__(self) -> None:
+        assert 0 <= self.question_from < self.num_tokens, f"question from {self.question_from}"
         position = 0
         for span in self.spans:
             assert span.start == position and span.end > span.start, f"spans must tile the prompt: {self}"
@@ -54,6 +58,13 @@ class Plan:
 
     def spliced(self) -> list[Span]:
         return [s for s in self.spans if s.kind is SpanKind.SPLICED]
+
+    def question(self) -> tuple[int, ...]:
+        """The computed tokens after the last spliced one and from `question_from` on (never empty: the
+        last prompt token is computed): what a query-aware repair probes with and runs again."""
+        spliced = self.spliced()
+        start = max(self.question_from, spliced[-1].end if spliced else 0)
+        return tuple(p for p in self.positions(SpanKind.COMPUTE) if p >= start)
 
     @property
     def discovered_tokens(self) -> int:
@@ -71,9 +82,11 @@ def make_plan(
     prefix_hit: int,
     segments: list[tuple[int, int, int]],
     discovered: frozenset[int] = frozenset(),
+    question_from: int = 0,
 ) -> Plan:
     """segments: (start, end, index) of each reused segment whose KV the store holds, in prompt order,
-    not overlapping; `discovered`: the indices of those found without markup.
+    not overlapping; `discovered`: the indices of those found without markup; `question_from`: where
+    the prompt's last marked segment ends (capped at the last token).
 
     The exact prefix wins where it overlaps a segment; a segment is cut short before the last token.
     """
@@ -93,4 +106,4 @@ def make_plan(
         )
         position = hi
     spans.append(Span(SpanKind.COMPUTE, position, num_tokens))
-    return Plan(num_tokens, tuple(spans))
+    return Plan(num_tokens, tuple(spans), min(question_from, num_tokens - 1))

@@ -82,15 +82,16 @@ class RepairRun:
                 # The probe ran every layer (the adaptive policy's first estimate): a round of repair
                 # from the first layer, as `refine` asks for.
                 return Pass(_union(self._compute, chosen), range(self.task.num_layers))
-            # The question (the computed tokens after the last reused one) runs the probe's layers again
+            # The question (plan.question(): the computed tokens after the last reused one and after the
+            # last marked segment, so not a new document that follows the last reused one) runs the
+            # probe's layers again
             # with the chosen, over their repaired KV: letting it resume (its first layers over
             # unrepaired KV) raised the recall bench's KL from 0.055 to 0.138 (8 documents, lead@15, 30
             # requests). The computed tokens before it resume: those before the first chosen token
             # compute the same either way; those after it (documents new to the store, separators)
             # saw the chosen tokens' KV unrepaired in the probe's layers, which measured as no loss
             # (see repair/query.py) and saves those layers for every new document.
-            last = self.task.plan.positions(SpanKind.SPLICED)[-1]
-            again = _union(tuple(p for p in self._compute if p > last), chosen)
+            again = _union(self.task.plan.question(), chosen)
             if not again:
                 return rest
             if len(again) == len(rest.positions):  # nothing resumes: one pass from the first layer
@@ -271,7 +272,8 @@ class ReusePath:
                 available.append((seen.start, seen.end, index))
                 index += 1
             discovered = set(range(len(prompt.segments), index))
-        plan = make_plan(n, prefix_hit, sorted(available), frozenset(discovered))
+        last_segment = prompt.segments[-1].end if prompt.segments else 0
+        plan = make_plan(n, prefix_hit, sorted(available), frozenset(discovered), last_segment)
         self._place(block_table, plan.spliced(), sources)
         policy = make_policy(settings.policy)
         if self.finder is not None and discovered and not policy.exact:
