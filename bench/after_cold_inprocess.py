@@ -14,14 +14,14 @@ import argparse
 import random
 import statistics
 
+from cold_traffic import INSTRUCTION, QUESTION  # the server benchmark's prompts (bench/ is on the path)
+
 from kvsplice import LLM, SamplingParams
 from kvsplice.bench import corpus
 from kvsplice.engine.engine import Engine
 from kvsplice.outputs import RequestOutput
 from kvsplice.prompt import Segment
 
-INSTRUCTION = "Read the documents below and answer the question.\n\n"
-QUESTION = "Question: Which of the documents above is the oldest?\nAnswer:"
 PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 

@@ -30,7 +30,7 @@ from kvsplice.options import RepairSettings
 from kvsplice.prompt import ParsedPrompt
 from kvsplice.repair.base import RepairPolicy, RepairTask
 from kvsplice.repair.registry import budget_tokens, make_policy
-from kvsplice.reuse.discover import SpanFinder
+from kvsplice.reuse.discover import Discovery, SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, Promotion
 from kvsplice.reuse.place import move_kv
 from kvsplice.reuse.plan import Plan, Span, SpanKind, make_plan
@@ -84,11 +84,10 @@ class RepairRun:
                 return Pass(_union(self._compute, chosen), range(self.task.num_layers))
             # The question (plan.question(): the computed tokens after the last reused one and after the
             # last marked segment, so not a new document that follows the last reused one) runs the
-            # probe's layers again
-            # with the chosen, over their repaired KV: letting it resume (its first layers over
-            # unrepaired KV) raised the recall bench's KL from 0.055 to 0.138 (8 documents, lead@15, 30
-            # requests). The computed tokens before it resume: those before the first chosen token
-            # compute the same either way; those after it (documents new to the store, separators)
+            # probe's layers again with the chosen, over their repaired KV: letting it resume (its first
+            # layers over unrepaired KV) raised the recall bench's KL from 0.055 to 0.138 (8 documents,
+            # lead@15, 30 requests). The computed tokens before it resume: those before the first chosen
+            # token compute the same either way; those after it (documents new to the store, separators)
             # saw the chosen tokens' KV unrepaired in the probe's layers, which measured as no loss
             # (see repair/query.py) and saves those layers for every new document.
             again = _union(self.task.plan.question(), chosen)
@@ -247,9 +246,7 @@ class ReusePath:
         if self.finder is not None:
             # A span found before the segment keys start would put approximate KV under plain ids: only
             # when the store gained it between admission and now, which is rare.
-            exact = max(prefix_hit, approximate_from or 0)
-            covered = [(0, exact), *((s.start, s.end) for s in prompt.segments)]
-            found = self.finder.find(namespace, prompt.token_ids, covered)
+            found = self._find(self.finder, namespace, prompt, max(prefix_hit, approximate_from or 0))
             index = len(prompt.segments)
             for reused in found.reused:
                 entry = self.store.lookup(namespace, reused.tokens)
@@ -298,10 +295,17 @@ class ReusePath:
         if the finder finds one (admission keys the request by it: cache/segment_keys.py)."""
         if self.finder is None:
             return None
-        covered = [(0, prefix_hit), *((s.start, s.end) for s in prompt.segments)]
-        found = self.finder.find(namespace, prompt.token_ids, covered)
+        found = self._find(self.finder, namespace, prompt, prefix_hit)
         starts = [s.start for s in found.reused] + [s.start for s in found.new]
         return min(starts, default=None)
+
+    @staticmethod
+    def _find(finder: SpanFinder, namespace: Hashable, prompt: ParsedPrompt, exact: int) -> Discovery:
+        """Spans found without markup where no other reuse claims the prompt: not in its first `exact`
+        tokens (the cached prefix), not in a marked segment."""
+        return finder.find(
+            namespace, prompt.token_ids, [(0, exact), *((s.start, s.end) for s in prompt.segments)]
+        )
 
     def _promote(self, namespace: Hashable, segments: list[tuple[int, ...]]) -> tuple[Promotion, ...]:
         """Load the segments the pool's store lacks from the tiers below, where they hold them."""
