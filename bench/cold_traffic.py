@@ -11,10 +11,14 @@ Two streams per system, each request carrying `--docs` MuSiQue passages and a qu
   half-recur   half of each request's documents come from the all-new stream (in a new order), half
                are new.
 Each stream is sent back to back by one client, then (under a fresh cache salt, so nothing is
-shared with the first pass) by `--clients` concurrent clients. Per system and stream: prompt tokens
-computed per prompt token (from the usage extension: prompt - prefix hits - segment hits +
-recomputed), throughput (prompt tokens per second of wall time) and TTFT p50/p99 (first streamed
-token).
+shared with the first pass) by `--clients` concurrent clients, in rounds of that many requests.
+The three servers run at once and take turns, request by request with one client and round by
+round with several, each system first as often as the others: run one after another, the systems
+met different loads on this shared 2-core machine, which moved the ratios by more than the effects
+measured (bench/results/cold_traffic.md). An idle server costs nothing.
+Per system and stream: prompt tokens computed per prompt token (from the usage extension: prompt -
+prefix hits - segment hits + recomputed), throughput (prompt tokens per second of the system's own
+wall time) and TTFT p50/p99 (first streamed token).
 
 Then, per system: a cold request (new documents, max_tokens=1) and, the moment it has answered, a
 request with the same documents reordered, against such a request sent to an idle engine: what
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import platform
 import random
@@ -135,59 +140,67 @@ async def send(
     return Sent(ttft, usage["prompt_tokens"], computed)
 
 
+def rotated(systems: list[str], turn: int) -> list[str]:
+    """The systems in the order they go on this turn: each goes first as often as the others."""
+    k = turn % len(systems)
+    return systems[k:] + systems[:k]
+
+
 async def run_stream(
-    client: openai.AsyncOpenAI, model: str, system: str, name: str, requests: list[list[str]], clients: int,
-    salt: str, max_tokens: int,
-) -> Stream:  # fmt: skip
-    result = Stream(system, name, clients)
-    queue = list(enumerate(requests))
-
-    async def worker() -> None:
-        while queue:
-            _, docs = queue.pop(0)
-            result.sent.append(await send(client, model, system, docs, salt, max_tokens))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    result.wall_s = time.perf_counter() - t0
-    return result
+    clients: dict[str, openai.AsyncOpenAI], models: dict[str, str], name: str, requests: list[list[str]],
+    concurrency: int, max_tokens: int,
+) -> list[Stream]:  # fmt: skip
+    """Every system sends `requests`, `concurrency` at a time; the systems take turns round by round."""
+    streams = {system: Stream(system, name, concurrency) for system in clients}
+    for turn, first in enumerate(range(0, len(requests), concurrency)):
+        for system in rotated(list(clients), turn):
+            salt = f"{system}-{concurrency}"
+            t0 = time.perf_counter()
+            sent = await asyncio.gather(
+                *(send(clients[system], models[system], system, docs, salt, max_tokens)
+                  for docs in requests[first : first + concurrency])
+            )  # fmt: skip
+            streams[system].wall_s += time.perf_counter() - t0
+            streams[system].sent += sent
+    return list(streams.values())
 
 
 async def after_cold(
-    client: openai.AsyncOpenAI, model: str, system: str, pairs: list[list[str]], salt: str
-) -> tuple[float, float]:
-    """Median TTFT of a reordered request sent the moment a cold request (max_tokens=1) with the same
-    documents has answered, and of the same kind of request sent to an idle engine: what the cold
-    request's store work costs the next one."""
-    after, idle = [], []
+    clients: dict[str, openai.AsyncOpenAI], models: dict[str, str], pairs: list[list[str]]
+) -> dict[str, tuple[float, float]]:
+    """Per system, the median TTFT of a reordered request sent the moment a cold request
+    (max_tokens=1) with the same documents has answered, and of the same kind of request sent to an
+    idle engine: what the cold request's store work costs the next one. Systems take turns pair by pair."""
+    after: dict[str, list[float]] = {system: [] for system in clients}
+    idle: dict[str, list[float]] = {system: [] for system in clients}
     for i, docs in enumerate(pairs):
-        await send(client, model, system, docs, f"{salt}-{i}", 1)
-        after.append((await send(client, model, system, docs[::-1], f"{salt}-{i}", 1)).ttft_s)
-        await asyncio.sleep(2.0)
-        order = docs[1:] + docs[:1]
-        idle.append((await send(client, model, system, order, f"{salt}-{i}", 1)).ttft_s)
-    return statistics.median(after), statistics.median(idle)
+        for system in rotated(list(clients), i):
+            client, model, salt = clients[system], models[system], f"{system}-pairs-{i}"
+            await send(client, model, system, docs, salt, 1)
+            after[system].append((await send(client, model, system, docs[::-1], salt, 1)).ttft_s)
+            await asyncio.sleep(2.0)
+            order = docs[1:] + docs[:1]
+            idle[system].append((await send(client, model, system, order, salt, 1)).ttft_s)
+    return {s: (statistics.median(after[s]), statistics.median(idle[s])) for s in clients}
 
 
 Docs = list[list[str]]
 
 
 async def bench(
-    url: str, system: str, args: argparse.Namespace, new: Docs, half: Docs, pairs: Docs
-) -> tuple[list[Stream], tuple[float, float]]:
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
-    model = (await client.models.list()).data[0].id
+    urls: dict[str, str], args: argparse.Namespace, new: Docs, half: Docs, pairs: Docs
+) -> tuple[list[Stream], dict[str, tuple[float, float]]]:
+    clients = {
+        system: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
+        for system, url in urls.items()
+    }
+    models = {system: (await client.models.list()).data[0].id for system, client in clients.items()}
     streams = []
-    for clients in (1, args.clients) if args.requests else ():
-        salt = f"{system}-{clients}"
-        streams.append(
-            await run_stream(client, model, system, "all-new", new, clients, salt, args.max_tokens)
-        )
-        streams.append(
-            await run_stream(client, model, system, "half-recur", half, clients, salt, args.max_tokens)
-        )
-        print(f"{system}: {clients} client(s) done", flush=True)
-    return streams, await after_cold(client, model, system, pairs, f"{system}-pairs")
+    for concurrency in (1, args.clients) if args.requests else ():
+        streams += await run_stream(clients, models, "all-new", new, concurrency, args.max_tokens)
+        streams += await run_stream(clients, models, "half-recur", half, concurrency, args.max_tokens)
+        print(f"{concurrency} client(s) done", flush=True)
+    return streams, await after_cold(clients, models, pairs)
 
 
 def report(
@@ -202,7 +215,8 @@ def report(
         f"Command: `python bench/cold_traffic.py {' '.join(sys.argv[1:])}`".rstrip(),
         f"Machine: {cpu_name()}, {os.cpu_count()} CPUs; Python {platform.python_version()}, torch "
         f"{torch.__version__}; each server with {args.num_threads} torch thread(s); default model; "
-        f"default repair. Load average after each system: {loads}.",
+        f"default repair; the three servers run at once and take turns. Load average at the start "
+        f"and the end: {loads}.",
         f"{args.requests} requests per stream, {args.docs} MuSiQue passages of at most "
         f"{args.doc_words} words each, max_tokens={args.max_tokens}.",
         "",
@@ -249,14 +263,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULT)
     args = parser.parse_args()
     new, half, pairs = workload(args)
-    streams: list[Stream] = []
-    after: dict[str, tuple[float, float]] = {}
-    loads: list[object] = []
-    for system, flags in SYSTEMS.items():
-        flags = [*flags, "--kv-cache-gb", str(args.kv_cache_gb), "--num-threads", str(args.num_threads)]
-        with serve(flags) as url:
-            got, after[system] = asyncio.run(bench(url, system, args, new, half, pairs))
-        streams += got
+    common = ["--kv-cache-gb", str(args.kv_cache_gb), "--num-threads", str(args.num_threads)]
+    with contextlib.ExitStack() as servers:
+        urls = {system: servers.enter_context(serve([*flags, *common])) for system, flags in SYSTEMS.items()}
+        loads = [load_average()]
+        streams, after = asyncio.run(bench(urls, args, new, half, pairs))
         loads.append(load_average())
     text = report(streams, after, args, loads)
     print(text)
