@@ -73,10 +73,13 @@ def test_spans_shorter_than_the_minimum_and_the_prompts_tail_are_left_alone() ->
     a = _tokens(120, 5)
     finder.remember("ns", a)
     assert finder.find("ns", [*a[:63], *_tokens(40, 6)], []) == ([], [])
-    # The last 32 tokens are always computed: a passage that ends the prompt is found without them.
+    # The last `tail` tokens are always computed: a passage that ends the prompt is found without them,
+    # and one that would be long enough only with them is not found.
+    tail = finder.tail_tokens
     (span,) = finder.find("ns", [9, 9, *a], []).new
-    assert (span.start, span.end) == (4, 90)
-    assert finder.find("ns", [9, 9, *a[:90]], []) == ([], [])
+    assert (span.start, span.end) == (4, 122 - tail)
+    assert finder.find("ns", [9, 9, *a[: 64 + tail]], []) == ([], [])
+    assert finder.find("ns", [9, 9, *a[: 66 + tail]], []).new
 
 
 @pytest.mark.parametrize(("kind", "hit"), [("radix", 10), ("hash", 8), ("off", 0)])
@@ -152,8 +155,10 @@ def test_plain_prompts_reuse_the_passages_like_marked_segments(auto: LLM, llm: L
     assert got["marked recency"]["found"] == 0
     plain, marked = got["plain recency"], got["marked recency"]
     # Unmarked, the second request already reuses nearly what markup gives (~120 tokens a passage), but
-    # for the prompt's last 32 tokens (a ~10-token question and the last passage's end), computed.
-    assert plain["marked"] == 0 and plain["found"] >= 0.9 * marked["marked"]  # type: ignore[operator]
+    # for the first tokens of each of the three found passages and the prompt's last tokens, computed.
+    assert auto.engine.reuse.finder is not None
+    heads = 3 * auto.engine.reuse.finder.head_tokens
+    assert plain["marked"] == 0 and plain["found"] + heads >= 0.9 * marked["marked"]  # type: ignore[operator]
     # The full repair reproduces the full prefill through discovered spans, as through marked ones.
     torch.testing.assert_close(got["plain full"]["logits"], want.first_logits, atol=2e-3, rtol=1e-3)
     assert got["plain full"]["ids"] == want.token_ids

@@ -26,26 +26,34 @@ def prompts(draw):
     return n, prefix, segments
 
 
-@given(prompts())
-def test_plan_classifies_every_position_like_the_oracle(case) -> None:
+@given(prompts(), st.data())
+def test_plan_classifies_every_position_like_the_oracle(case, data) -> None:
     n, prefix, segments = case
-    plan = make_plan(n, prefix, segments)
+    indices = [index for *_, index in segments]
+    discovered = data.draw(st.frozensets(st.sampled_from(indices))) if indices else frozenset()
+    head = data.draw(st.integers(0, 4))
+    plan = make_plan(n, prefix, segments, discovered, head=head)
 
     def oracle(p: int) -> SpanKind:
         if p < prefix:
             return SpanKind.EXACT
         if p == n - 1:
             return SpanKind.COMPUTE
-        if any(s <= p < e for s, e, _ in segments):
-            return SpanKind.SPLICED
+        for start, end, index in segments:
+            # A found segment's first `head` tokens after whatever precedes it are computed.
+            if start <= p < end and p >= max(start, prefix) + (head if index in discovered else 0):
+                return SpanKind.SPLICED
         return SpanKind.COMPUTE
 
     kinds = {p: s.kind for s in plan.spans for p in range(s.start, s.end)}
     assert [kinds[p] for p in range(n)] == [oracle(p) for p in range(n)]
     assert sum(plan.tokens(k) for k in SpanKind) == n
+    in_found = [any(s <= p < e and i in discovered for s, e, i in segments) for p in range(n)]
+    assert plan.heads == sum(in_found[p] and kinds[p] is SpanKind.COMPUTE for p in range(prefix, n - 1))
     for span in plan.spliced():
         start, end, index = segments[span.segment]
         assert start + span.segment_offset == span.start and span.end <= end and index == span.segment
+        assert span.discovered == (index in discovered)
 
 
 def test_plan_prints_its_spans() -> None:

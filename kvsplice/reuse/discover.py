@@ -31,9 +31,34 @@ tokenises the same in any surroundings; a match against the store is used as fou
 The prompt's last `tail_tokens` tokens are never in a found span. That is where a plain prompt puts
 its question or the framing of an agent's step, often words other prompts carried too: found, they
 would be spliced, and the answer would be computed from moved KV. Kept out, they are computed, as the
-tokens after the last marked segment are, and the query-aware repair probes with them (on the agent
-workload, found spans ran to 1 to 9 tokens before the end where the marked prompts computed the last
-13 to 22 tokens: bench/results/unmarked/summary.md).
+tokens after the last marked segment are, and the query-aware repair probes with them.
+
+The first `head_tokens` of a found span are computed too, not spliced (the plan makes them so:
+reuse/plan.py; the span is found, keyed and stored whole). A found span starts where the prompt and
+the content it was found in stop agreeing, so its first tokens are the ones whose stored KV followed
+other text; and where a marked prompt's segment starts at a document, a found span starts wherever
+the common text does, often in framing that recurs with the passage (an agent's tool-call line,
+" search(query=...)\nResult:\n", 16 tokens, recurs with its result). Measured on the agent workload
+sent unmarked next to marked (6 episodes, 24 measured steps, lead@15, KL to a full prefill, the
+heads computed on top of the repair budget; marked: 0.0035, every step within 0.05):
+
+| tail | head | KL unmarked | within 0.05 | FLOPs unmarked / marked | TTFT unmarked / marked (median) |
+|---:|---:|---:|---:|---:|---:|
+| 32 | 0 | 0.076 | 18 of 24 | 1.31 | 1.19 |
+| 16 | 0 | 0.056 | 18 | 1.05 | 1.03 |
+| 16 | 4 | 0.025 | 21 | 1.10 | 1.05 |
+| 16 | 8 | 0.019 | 22 | 1.14 | 1.07 |
+| 16 | 16 | 0.0040 | 24 | 1.24 | 1.17 |
+| 8 | 16 | **0.0034** | **24** | **1.11** | **1.04** |
+
+Without a head the bad steps are the first tool output after the system prompt (KL up to 0.96 where
+marked had 0.007), and the next step, which takes that KV as its prefix, inherits the damage; a head
+shorter than the call line leaves part of it. A tail of 8 suffices once the head is computed: the
+framing after an agent's last tool output is 4 tokens, and a longer tail only computes the end of
+the passage. The heads are repair spent before the policy chooses, so they come out of its budget
+(Plan.heads): on top of it, qa requests (six documents) cost 1.22x the marked version's FLOPs and
+1.15x its TTFT; within it, 1.03x and 0.89x at the same KL, and agent steps 0.91x at KL 0.0036
+(bench/results/unmarked/summary.md has every workload with these defaults).
 """
 
 from __future__ import annotations
@@ -73,17 +98,24 @@ class Discovery(NamedTuple):
 
 class SpanFinder:
     def __init__(
-        self, min_tokens: int, history_tokens: int, seam_tokens: int = 2, tail_tokens: int = 32
+        self,
+        min_tokens: int,
+        history_tokens: int,
+        seam_tokens: int = 2,
+        tail_tokens: int = 8,
+        head_tokens: int = 16,
     ) -> None:
         """min_tokens: the shortest span spliced (64 by default: the span index finds every span this
         long, and unrelated texts share runs of at most ~11 tokens: bench/results/chunking.md).
         history_tokens: the most tokens of earlier prompts kept to search in (~9 bytes each).
-        tail_tokens: the prompt's last tokens, always computed (at least the last one)."""
+        tail_tokens: the prompt's last tokens, always computed (at least the last one).
+        head_tokens: the first tokens of each found span, computed instead of spliced."""
         assert tail_tokens >= 1, "the last prompt token is always computed"
         self.min_tokens = min_tokens
         self.history_tokens = history_tokens
         self.seam_tokens = seam_tokens
         self.tail_tokens = tail_tokens
+        self.head_tokens = head_tokens
         self.stored = SpanIndex()
         self.seen = SpanIndex()
         # Handles of remembered prompts, oldest first, with their lengths.

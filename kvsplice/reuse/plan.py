@@ -40,6 +40,9 @@ class Plan:
     # The question starts no earlier than this: where the prompt's last marked segment ends (a document
     # new to the store after the last reused one is computed, but it is a document, not the question).
     question_from: int = 0
+    # Tokens of found segments computed at their heads instead of spliced (make_plan's `head`): repair
+    # spent before the policy chooses, so the policy's budget is the smaller by them.
+    heads: int = 0
 
     def __post_init__(self) -> None:
         assert 0 <= self.question_from < self.num_tokens, f"question from {self.question_from}"
@@ -83,20 +86,26 @@ def make_plan(
     segments: list[tuple[int, int, int]],
     discovered: frozenset[int] = frozenset(),
     question_from: int = 0,
+    head: int = 0,
 ) -> Plan:
     """segments: (start, end, index) of each reused segment whose KV the store holds, in prompt order,
     not overlapping; `discovered`: the indices of those found without markup; `question_from`: where
-    the prompt's last marked segment ends (capped at the last token).
+    the prompt's last marked segment ends (capped at the last token); `head`: the first tokens of each
+    discovered segment that are computed instead (reuse/discover.py says why).
 
     The exact prefix wins where it overlaps a segment; a segment is cut short before the last token.
     """
     assert 0 <= prefix_hit < num_tokens, f"prefix hit {prefix_hit} of {num_tokens} tokens"
     spans: list[Span] = []
+    heads = 0
     if prefix_hit:
         spans.append(Span(SpanKind.EXACT, 0, prefix_hit))
     position = prefix_hit
     for start, end, index in segments:
         lo, hi = max(start, position), min(end, num_tokens - 1)
+        if index in discovered and lo < hi:
+            heads += min(head, hi - lo)
+            lo += head
         if lo >= hi:
             continue
         if lo > position:
@@ -106,4 +115,4 @@ def make_plan(
         )
         position = hi
     spans.append(Span(SpanKind.COMPUTE, position, num_tokens))
-    return Plan(num_tokens, tuple(spans), min(question_from, num_tokens - 1))
+    return Plan(num_tokens, tuple(spans), min(question_from, num_tokens - 1), heads)

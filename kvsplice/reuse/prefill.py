@@ -270,13 +270,19 @@ class ReusePath:
                 index += 1
             discovered = set(range(len(prompt.segments), index))
         last_segment = prompt.segments[-1].end if prompt.segments else 0
-        plan = make_plan(n, prefix_hit, sorted(available), frozenset(discovered), last_segment)
+        head = self.finder.head_tokens if self.finder is not None else 0
+        plan = make_plan(n, prefix_hit, sorted(available), frozenset(discovered), last_segment, head)
         self._place(block_table, plan.spliced(), sources)
         policy = make_policy(settings.policy)
         if self.finder is not None and discovered and not policy.exact:
             missed += self._unkept(prompt, plan, missed)
         spliced = plan.tokens(SpanKind.SPLICED)
-        budget = budget_tokens(spliced, settings.ratio, settings.tokens) if policy.budgeted else spliced
+        # The heads of found spans (plan.heads) were reused tokens: they count toward the budget.
+        budget = (
+            max(0, budget_tokens(spliced + plan.heads, settings.ratio, settings.tokens) - plan.heads)
+            if policy.budgeted
+            else spliced
+        )
         run = RepairRun(
             policy, RepairTask(plan, budget, self.runner.num_layers, self.runner.cfg, settings.target)
         )
