@@ -101,7 +101,15 @@ def test_records_carry_the_request_labels() -> None:
 
 
 def _record(system: str, request: str, setting: str, position: str, correct: bool, **fields) -> RequestRecord:
-    base = dict(prompt_tokens=100, computed_tokens=100, ttft_s=1.0, token_ids=[1, 2], kl=0.0, top1=True)
+    base = dict(
+        prompt_tokens=100,
+        computed_tokens=100,
+        prefill_flops=1e9,
+        ttft_s=1.0,
+        token_ids=[1, 2],
+        kl=0.0,
+        top1=True,
+    )
     base.update(fields)
     return RequestRecord(system, request, setting=setting, answer_position=position, correct=correct, **base)  # type: ignore[arg-type]
 
@@ -212,9 +220,12 @@ def test_report_shows_the_breakdown_and_round_trips(tmp_path: Path) -> None:
         in text
     )
     assert "| all | off | 6/6 | 100% [61–100] | – |" in text
+    # Every compared request missed: the fidelity targets need a full prefill of each of them.
+    assert "## What the fidelity targets would cost" in text and "| 4 docs | splice:none@0 |" in text
     assert "| all | splice:none@0 | 5/6 (1 failed) |" not in text and "| all | splice:none@0 | 5/6 |" in text
     again = BenchResult.from_json(result.to_json())
     assert again == result and again.spec["doc_counts"] == (4, 8)
     assert "positions.png" in write_plots(result, tmp_path) and (tmp_path / "positions.png").stat().st_size
     other = _result([RequestRecord("off", "r0", correct=True)], ["off"])
+    assert "targets would cost" not in markdown(other)
     assert "By setting" not in markdown(other) and "positions.png" not in write_plots(other, tmp_path)
