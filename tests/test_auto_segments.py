@@ -215,3 +215,33 @@ def test_a_span_found_before_a_marked_segment_never_reaches_a_plain_prefix(auto:
     exact = auto.generate([text], PARAMS, RequestOptions("full", cache_salt="mixed"))[0]
     want = llm.generate([text], PARAMS)[0]
     torch.testing.assert_close(exact.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)
+
+
+class _Inserted:
+    """Records the entries the segment store gains."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, ...]] = []
+
+    def inserted(self, namespace: object, tokens: tuple[int, ...]) -> None:
+        self.entries.append(tokens)
+
+    def evicted(self, namespace: object, tokens: tuple[int, ...]) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_a_new_passage_right_before_a_found_one_is_stored_without_the_found_ones_head(auto: LLM) -> None:
+    options = RequestOptions(cache_salt="gap")
+    auto.generate(_plain([0, 1]), PARAMS, options)
+    watch = _Inserted()
+    auto.engine.segment_store.watch(watch)
+    # Passages 1 and 0 are found (their first tokens computed); passage 2, between them, is new: it is
+    # computed after spliced KV, so the store keeps it (the prefix cache will not).
+    m = auto.generate(_plain([1, 2, 0]), PARAMS, options)[0].metrics
+    assert m.discovered_hit_tokens > 0 and len(watch.entries) >= 3
+    head = auto.engine.reuse.finder.head_tokens  # type: ignore[union-attr]
+    # The found span's entry holds its head; no other entry ends with those tokens again.
+    for a in watch.entries:
+        for b in watch.entries:
+            assert a is b or a[-head:] != b[:head], "a computed stretch was stored with a found span's head"

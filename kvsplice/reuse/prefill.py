@@ -334,9 +334,12 @@ class ReusePath:
         marked = [(s.start, s.end) for s in prompt.segments] + [
             (m.start, m.start + len(m.tokens)) for m in missed
         ]
+        # Where each found span starts: its head is computed, so a computed stretch runs into it, but the
+        # head's KV is stored with the found span's entry, not again with the stretch.
+        found = [s.start - s.segment_offset for s in plan.spliced() if s.discovered]
         kept = []
         for span in plan.spans:
-            end = min(span.end, plan.num_tokens - 1)  # the last token is always computed anew
+            end = min(span.end, plan.num_tokens - 1, *(f for f in found if f > span.start))
             if (
                 span.kind is not SpanKind.COMPUTE
                 or span.start < first
