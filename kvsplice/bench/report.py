@@ -6,9 +6,6 @@ from collections import Counter
 from pathlib import Path
 
 from kvsplice.bench.breakdown import ALL, GroupSummary, by_group
-from kvsplice.bench.headroom import headroom
-from kvsplice.bench.headroom import legend as headroom_legend
-from kvsplice.bench.headroom import table as headroom_table
 from kvsplice.bench.metrics import KL_CLOSE, SURE_MARGIN, SystemSummary, TurnSummary
 from kvsplice.bench.results import BenchResult
 from kvsplice.bench.stats import Interval
@@ -273,15 +270,18 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
             "",
             BREAKDOWN_LEGEND.format(reference=r.systems[0], sure=SURE_MARGIN),
         ]
-    costs = headroom(r.records, r.systems[0])
+    # Imported here: `python -m kvsplice.bench.headroom` must not find it imported by the package.
+    from kvsplice.bench import headroom
+
+    costs = headroom.headroom(r.records, r.systems[0])
     if costs:
         lines += [
             "",
             "## What the fidelity targets would cost",
             "",
-            headroom_table(costs),
+            headroom.table(costs),
             "",
-            headroom_legend(),
+            headroom.legend(),
         ]
     failures = Counter((x.system, x.error) for x in r.records if x.error is not None)
     if failures:
