@@ -132,7 +132,8 @@ def test_query_probes_the_question_and_recomputes_what_it_attends_to() -> None:
     policy = make_policy("query")
     probe = policy.decide(task).probe
     assert probe is not None and probe.positions == () and not probe.resume
-    assert probe.last_layer == 1 and probe_layers(cfg) == {0, 1}
+    # Every layer is global: the first at or past a quarter of the depth (of 4 layers, layer 1).
+    assert probe.last_layer == 1 and probe_layers(cfg) == {1}
     assert isinstance(probe.observer, QueryAttentionObserver)
     # The question is what follows the last reused token.
     assert probe.observer._watched.nonzero().squeeze(1).tolist() == [9, 10, 11]

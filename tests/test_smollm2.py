@@ -258,3 +258,14 @@ def test_it_answers_a_chat_question_and_stops_at_the_end_of_its_turn(llm) -> Non
     out = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))[0]
     assert "Paris" in out.text
     assert out.token_ids[-1] == llm.tokenizer.token_to_id("<|im_end|>") and out.finish_reason == "stop"
+
+
+def test_the_question_probe_watches_a_layer_a_quarter_deep_on_both_models(
+    model_dir: Path, default_model_dir: Path
+):
+    from kvsplice.model_config import ModelConfig
+    from kvsplice.repair.query import probe_layers
+
+    # SmolLM2: 30 layers, all global; Gemma 3: 18 layers, global at 5, 11 and 17 (its first global).
+    assert probe_layers(ModelConfig.from_dir(model_dir)) == {8}
+    assert probe_layers(ModelConfig.from_dir(default_model_dir)) == {5}
