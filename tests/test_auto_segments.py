@@ -57,6 +57,18 @@ def test_a_passage_seen_before_is_new_then_stored_is_reused_from_any_offset() ->
     assert later[span.start : span.end] == list(span.tokens[span.offset : span.offset + length])
 
 
+def test_an_unwatched_watcher_hears_of_no_later_insert() -> None:
+    store = SegmentStore(BlockAllocator(16, 16), ())
+    heard = _Inserted()
+    store.watch(heard)
+    store.insert("ns", tuple(_tokens(16, 1)), store.allocator.allocate(1))
+    store.unwatch(heard)
+    store.insert("ns", tuple(_tokens(16, 2)), store.allocator.allocate(1))
+    assert heard.entries == [tuple(_tokens(16, 1))]
+    with pytest.raises(AssertionError):
+        store.unwatch(heard)
+
+
 def test_namespaces_never_cross_and_evicted_entries_are_forgotten() -> None:
     finder, store = _finder()
     a = _tokens(200, 4)
@@ -235,10 +247,14 @@ def test_a_new_passage_right_before_a_found_one_is_stored_without_the_found_ones
     options = RequestOptions(cache_salt="gap")
     auto.generate(_plain([0, 1]), PARAMS, options)
     watch = _Inserted()
-    auto.engine.segment_store.watch(watch)
+    store = auto.engine.segment_store
+    store.watch(watch)
     # Passages 1 and 0 are found (their first tokens computed); passage 2, between them, is new: it is
     # computed after spliced KV, so the store keeps it (the prefix cache will not).
-    m = auto.generate(_plain([1, 2, 0]), PARAMS, options)[0].metrics
+    try:
+        m = auto.generate(_plain([1, 2, 0]), PARAMS, options)[0].metrics
+    finally:
+        store.unwatch(watch)
     assert m.discovered_hit_tokens > 0 and len(watch.entries) >= 3
     head = auto.engine.reuse.finder.head_tokens  # type: ignore[union-attr]
     # The found span's entry holds its head; no other entry ends with those tokens again.

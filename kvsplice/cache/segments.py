@@ -84,6 +84,10 @@ class SegmentStore:
     def watch(self, watcher: StoreWatcher) -> None:
         self._watchers.append(watcher)
 
+    def unwatch(self, watcher: StoreWatcher) -> None:
+        assert watcher in self._watchers, "unwatching a watcher the store does not have"
+        self._watchers.remove(watcher)
+
     @property
     def start_position(self) -> int:
         """The position of a segment's first token in its canonical sequence."""
