@@ -8,13 +8,16 @@ and 8 decode rows can cost, whatever the scheduler:
 
 - D, the idle decode step: `ModelRunner.decode` of 8 sequences (their context ~`--stream-context`);
 - T(C), a C-token chunk of the long prompt `--at` tokens in, without logits (a middle chunk);
-- the 8 rows' least extra cost in a fused pass, D' = M(C) + H(8): M(C) is the time a C+8-token chunk
-  takes over a C-token one (8 more query rows through every layer, at a short context like a stream's)
-  and H(8) the LM head for 8 rows, which only the decode rows need.
+- the 8 rows' least extra cost in a fused pass, D' = M + H(8): M is the time a chunk of 64 + 8 tokens
+  takes over one of 64 (8 more query rows through every layer, at a short context like a stream's;
+  the median of paired differences), and H(8) the LM head for 8 rows, which only the decode rows need.
 
 With steps of T(C) + D' while the long prompt prefills, its inter-token latency is (T(C) + D') / D of
 the idle one and its prefill takes (T(C) + D') / T(C) of an unchunked one (whose single step holds no
-decode). The targets need both <= 3 and <= 1.1 at one C. Timings interleave every measurement per
+decode). The targets need both <= 3 and <= 1.1 at one C, so D' <= 3 D / 11. The bound holds for any
+schedule, not only one decode batch per chunk: a prefill of time P during which every stream gets a
+token at least every 3 D holds at least P / (3 D) decode rounds of at least D' each, so it takes at
+least 1 / (1 - D' / (3 D)) of an unchunked prefill. Timings interleave every measurement per
 repetition and report medians (the machine is noisy; the ratios are what count), with the torch thread
 count the server uses by default (1 on this machine).
 Run: python bench/step_floor.py   (~3 minutes; writes bench/results/step_floor.md)
