@@ -71,3 +71,12 @@ def test_frontier_refuses_runs_of_one_model_on_different_requests(tmp_path: Path
     with pytest.raises(ValueError, match="other requests"):
         frontier.collect(runs)
     assert frontier.collect([runs[0], (b, replace(runs[0][1]))])["gemma"][0].run == a
+
+
+def test_frontier_names_a_run_by_its_path_below_the_runs_common_directory(tmp_path: Path, capsys) -> None:
+    (tmp_path / "probe").mkdir()
+    a = _run(tmp_path / "probe", "layer8", "gemma", {"off": [0, 0], "splice:lead@15": [0.01, 0.1]})
+    b = _run(tmp_path, "policies", "gemma", {"off": [0, 0], "splice:none@0": [0.2, 0.4]})
+    frontier.main([str(a), str(b), "--out", str(tmp_path / "frontier.png")])
+    text = capsys.readouterr().out
+    assert "| probe/layer8 |" in text and "| policies |" in text

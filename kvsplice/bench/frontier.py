@@ -13,6 +13,7 @@ joined by a line. The markdown table of the same points goes to stdout.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,7 +115,22 @@ def plot(by_model: dict[str, list[Point]], path: Path) -> None:
     plt.close(fig)
 
 
+def _run_names(by_model: dict[str, list[Point]]) -> dict[Path, str]:
+    """Each run as its path below the directory all runs share (a bare leaf such as `layer8` of
+    `recall_smollm2_8docs_probe/layer8` would not say which run it is)."""
+    runs = {p.run.resolve(): p.run for points in by_model.values() for p in points}
+    if not runs:
+        return {}
+    common = Path(os.path.commonpath(list(runs)))
+    names = {}
+    for resolved, run in runs.items():
+        below = resolved.relative_to(common).as_posix()
+        names[run] = run.name if below == "." else below
+    return names
+
+
 def table(by_model: dict[str, list[Point]]) -> str:
+    names = _run_names(by_model)
     out = []
     for model, points in by_model.items():
         out += [
@@ -127,7 +143,7 @@ def table(by_model: dict[str, list[Point]]) -> str:
             s = p.summary
             out.append(
                 f"| {_short(p.system)} | {_pct(s.flops_frac, 1)} | {_kl(s.kl_mean)} | {_pct(s.close_rate)} "
-                f"| {_pct(s.top1_rate)} | {_pct(s.accuracy)} | {p.run.name} |"
+                f"| {_pct(s.top1_rate)} | {_pct(s.accuracy)} | {names[p.run]} |"
             )
         out.append("")
     return "\n".join(out)
