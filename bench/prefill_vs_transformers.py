@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import transformers
 
-from kvsplice.bench.results import cpu_name, load_average
+from kvsplice.bench.results import cpu_name, load_average, timed
 from kvsplice.kv.pool import KVPool
 from kvsplice.loader.gguf import convert_gguf, default_model_path
 from kvsplice.models.build import load_model
@@ -31,16 +30,8 @@ def matmul_peak(n: int = 2048, reps: int = 5) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     best = float("inf")
     for _ in range(reps):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, timed(lambda: torch.mm(a, b)))
     return 2 * n**3 / best / 1e9
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:

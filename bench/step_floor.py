@@ -29,14 +29,13 @@ import argparse
 import os
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kvsplice import LLM
-from kvsplice.bench.results import cpu_name, load_average
+from kvsplice.bench.results import cpu_name, load_average, timed
 from kvsplice.models.runner import DecodeItem, ForwardChunk, ModelRunner
 
 RESULT = Path(__file__).parent / "results" / "step_floor.md"
@@ -45,12 +44,6 @@ ITL_TARGET = 3.0
 ROWS_CHUNK = 64
 PAIRS_PER_REP = 5
 PREFILL_TARGET = 1.1
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def measure(
@@ -102,7 +95,8 @@ def measure(
 def render(args: argparse.Namespace, med: dict[str, float], threads: int, load: object) -> str:
     ms = 1000.0
     d, h8 = med["D"], med[f"H{STREAMS}"]
-    fused = max(0.0, med["M"]) + h8
+    extra = max(0.0, med["M"])
+    fused = extra + h8
     lines = [
         "# The floor under the latency targets: decode rows inside a prefill step",
         "",
@@ -118,7 +112,7 @@ def render(args: argparse.Namespace, med: dict[str, float], threads: int, load: 
         f"{med['M'] * ms:.0f} ms (median of {args.reps * PAIRS_PER_REP} paired differences)",
         f"- so a fused step's decode share D' = M + H({STREAMS}) >= {fused * ms:.0f} ms = {fused / d:.2f} D "
         f"(with a head that read its matrix once for all rows in the time of one row: "
-        f"{(max(0.0, med['M']) + med['H1']) / d:.2f} D)",
+        f"{(extra + med['H1']) / d:.2f} D)",
         "",
         f"| chunk C | T(C) at {args.at} | step T(C) + D' | ITL during prefill / idle | prefill / unchunked "
         "| both targets |",

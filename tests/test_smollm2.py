@@ -28,6 +28,8 @@ from kvsplice.loader.gguf_file import read_gguf
 from kvsplice.loader.gguf_weights import hf_tensor_name
 from kvsplice.loader.model_files import resolve_model_dir, smollm2_gguf_path
 from kvsplice.loader.tokenizer import Tokenizer
+from kvsplice.model_config import ModelConfig
+from kvsplice.repair.query import probe_layers
 from tests.test_gguf_loader import gpt2_byte_spelling
 
 PROMPTS = [
@@ -263,9 +265,6 @@ def test_it_answers_a_chat_question_and_stops_at_the_end_of_its_turn(llm) -> Non
 def test_the_question_probe_watches_a_layer_a_quarter_deep_on_both_models(
     model_dir: Path, default_model_dir: Path
 ):
-    from kvsplice.model_config import ModelConfig
-    from kvsplice.repair.query import probe_layers
-
     # SmolLM2: 30 layers, all global; Gemma 3: 18 layers, global at 5, 11 and 17 (its first global).
     assert probe_layers(ModelConfig.from_dir(model_dir)) == {8}
     assert probe_layers(ModelConfig.from_dir(default_model_dir)) == {5}

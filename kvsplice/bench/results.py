@@ -7,6 +7,8 @@ import json
 import os
 import platform
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +124,13 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Wall-clock seconds of one call of fn."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def load_average() -> tuple[float, float, float] | None:
