@@ -95,7 +95,7 @@ def test_adaptive_repair_spends_by_its_target(spliced: LLM) -> None:
         for target in (1e9, 0.0)
     }
     loose, strict = spent[1e9], spent[0.0]
-    # A target every estimate meets stops after the first round: 5 % of the reused tokens, rounded up.
-    assert loose.recomputed_tokens == -(-loose.segment_hit_tokens * 5 // 100)
+    # A target every estimate meets stops after the first round: 15 % of the reused tokens, rounded up.
+    assert loose.recomputed_tokens == -(-loose.segment_hit_tokens * 15 // 100)
     assert strict.recomputed_tokens == strict.segment_hit_tokens
     assert loose.prefill_flops < strict.prefill_flops

@@ -25,7 +25,7 @@ import torch
 from kvsplice.kv.context import ForwardContext
 from kvsplice.model_config import ModelConfig
 from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask
-from kvsplice.reuse.plan import SpanKind
+from kvsplice.reuse.plan import Plan, SpanKind
 
 
 class QueryAttentionObserver:
@@ -138,11 +138,20 @@ class LeadQueryRepair(QueryRepair):
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, QueryAttentionObserver)
-        first = task.plan.spliced()[0]
-        if first.segment == 0:
-            score = probe.observer.score
-            part = score[first.start : first.end]
-            lead = part.topk(min(len(part), int(LEAD_SHARE * task.budget))).indices + first.start
-            # Above every other token (attention mass is finite and >= 0), in the question's order.
-            score[lead] += score.max() + 1
-        return super().choose(task, probe, logits)
+        return lead_choice(task.plan, probe.observer.score, task.budget)
+
+
+def lead_choice(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]:
+    """`lead`'s choice of `budget` spliced positions (sorted) from the question's attention `score`
+    [prompt tokens]. Nested: the choice at a budget holds the choice at every smaller one (the first
+    segment's share, budget // 2, only grows; the rest are the best remaining by score)."""
+    spliced = torch.tensor(plan.positions(SpanKind.SPLICED))
+    score = score.clone()
+    first = plan.spliced()[0]
+    if first.segment == 0:
+        part = score[first.start : first.end]
+        lead = part.topk(min(len(part), int(LEAD_SHARE * budget))).indices + first.start
+        # Above every other token (attention mass is finite and >= 0), in the question's order.
+        score[lead] += score.max() + 1
+    top = torch.topk(score[spliced], min(budget, len(spliced))).indices
+    return tuple(sorted(spliced[top].tolist()))
