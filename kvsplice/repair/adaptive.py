@@ -9,8 +9,8 @@ distributions of two successive rounds of repair. The rounds:
   1. `FIRST_SHARE` of the reused tokens, chosen as `lead` would choose that many (the first segment's
      most attended up to half of them, then the most attended anywhere), are recomputed, from the
      first layer, with the computed tokens: a second estimate;
-  2. ... each later round doubles the recomputed share, adding what `lead` would add at the doubled
-     budget (its choice is nested), until two successive estimates differ by at most `target`.
+  2. ... each later round recomputes `lead`'s choice at twice the share, the earlier rounds' tokens
+     with it, until two successive estimates differ by at most `target`.
 
 A repair that has not converged by `FALLBACK_SHARE` of the reused tokens is not trusted: the last
 round recomputes every reused token at once, which equals a full prefill. Successive estimates
@@ -40,12 +40,13 @@ from kvsplice.repair.query import QueryAttentionObserver, lead_choice, question_
 from kvsplice.reuse.plan import SpanKind
 from kvsplice.sampling import kl_divergence
 
-# The first round recomputes what `lead@15` would: the next-token distribution's move from the
-# unrepaired estimate says how far the spliced KV was from a full prefill's. On recall (Gemma 3, 8
-# documents, 30 requests), that move ranked lead@15's own KL to the full prefill (Spearman 0.41) and
-# all five requests left above 0.1 were among the eight it moved by more than 0.1; giving those eight
-# `lead@30` instead would have taken the KL from 0.062 to 0.035 at 19% of the FLOPs (lead@20: 0.043).
-# Starting at 5%, the rounds agreed with each other long before the answer was right.
+# The first round recomputes what `lead@15` would, and its move from the unrepaired estimate decides
+# whether more follows. From 5% of the reused tokens (ranked by the question alone) the rounds agreed
+# with each other long before the answer was right: on recall (8 documents, 30 requests) the repair
+# ended at KL 0.111 on Gemma 3 and 0.237 on SmolLM2, behind lead@15 (0.062, 0.169). From lead@15:
+# 0.043 at 23.6% of the FLOPs on 60 held-out Gemma requests and 0.100 at 36.6% on SmolLM2, about
+# `lead`'s own curve (lead@20 0.038 at 20.1%; lead@30 0.090 at 32.1%): which requests get more is no
+# better chosen than a fixed budget would choose them (bench/results/recall_gemma_8docs_seed1_adaptive).
 FIRST_SHARE = 0.15
 # The share of reused tokens, ranked by the question's attention, whose attention mass says whether a
 # sparse repair can be trusted, and the least mass they must hold (between few-shot's 0.62 at most
@@ -94,19 +95,20 @@ class AdaptiveRepair(RepairPolicy):
             return None
         self._last = logits
         if 2 * taken > FALLBACK_SHARE * total:
-            # Every reused token again, those earlier rounds took too (their KV saw the others stale):
-            # one pass that equals a full prefill.
-            self._taken = tuple(task.plan.positions(SpanKind.SPLICED))
-            return self._taken
+            # Every reused token: one pass that equals a full prefill.
+            return self._take(task, total)
         return self._take(task, min(total, 2 * taken))
 
     def _take(self, task: RepairTask, count: int) -> tuple[int, ...]:
-        """The positions `lead` would choose at a budget of `count` that no earlier round took."""
+        """`lead`'s choice at a budget of `count`, all of it, the earlier rounds' tokens again: a round
+        that only added tokens left the earlier ones with KV computed over the added ones' stale KV,
+        and was worth little (on the 13 of 30 recall requests that took a second round, KL 0.115 after
+        the first, 0.099 after the second, against 0.048 for lead@30 in one pass)."""
         chosen = lead_choice(task.plan, self._score, count)
+        # Nested, so no earlier round's token is left out with KV computed over stale KV.
         assert set(self._taken) <= set(chosen), "lead's choice is nested in its budget"
-        more = tuple(sorted(set(chosen) - set(self._taken)))
         self._taken = chosen
-        return more
+        return chosen
 
 
 def coverage(score: torch.Tensor, share: float) -> float:
