@@ -43,10 +43,11 @@ from kvsplice.sampling import kl_divergence
 # The first round recomputes what `lead@15` would, and its move from the unrepaired estimate decides
 # whether more follows. From 5% of the reused tokens (ranked by the question alone) the rounds agreed
 # with each other long before the answer was right: on recall (8 documents, 30 requests) the repair
-# ended at KL 0.111 on Gemma 3 and 0.237 on SmolLM2, behind lead@15 (0.062, 0.169). From lead@15:
-# 0.043 at 23.6% of the FLOPs on 60 held-out Gemma requests and 0.100 at 36.6% on SmolLM2, about
-# `lead`'s own curve (lead@20 0.038 at 20.1%; lead@30 0.090 at 32.1%): which requests get more is no
-# better chosen than a fixed budget would choose them (bench/results/recall_gemma_8docs_seed1_adaptive).
+# ended at KL 0.111 on Gemma 3 and 0.237 on SmolLM2, behind lead@15 (0.062, 0.169). From lead@15, on
+# Gemma 3: 0.036 at target 0.05 (40% of the FLOPs, 3 of 30 requests falling back) and 0.060 at 0.2
+# (19%); a fixed budget does better per FLOP (lead@20 0.043 at 20%, lead@30 0.029 at 30%): which
+# requests take more is only weakly told (bench/results/recall_gemma_8docs_adaptive_fresh,
+# recall_gemma_8docs_seed1_adaptive).
 FIRST_SHARE = 0.15
 # The share of reused tokens, ranked by the question's attention, whose attention mass says whether a
 # sparse repair can be trusted, and the least mass they must hold (between few-shot's 0.62 at most
