@@ -66,11 +66,10 @@ class AdaptiveRepair(RepairPolicy):
     budgeted = False
 
     def __init__(self) -> None:
-        # The question's attention [prompt tokens]; the spliced positions recomputed so far, and how
-        # many there are to recompute; the last estimate.
+        # The question's attention [prompt tokens]; the spliced positions recomputed so far; the last
+        # estimate.
         self._score = torch.zeros(0)
         self._taken: tuple[int, ...] = ()
-        self._total = 0
         self._last: torch.Tensor | None = None
 
     def decide(self, task: RepairTask) -> RepairDecision:
@@ -83,14 +82,13 @@ class AdaptiveRepair(RepairPolicy):
         assert isinstance(probe.observer, QueryAttentionObserver) and logits is not None
         spliced = task.plan.positions(SpanKind.SPLICED)
         self._score = probe.observer.score
-        self._total = len(spliced)
         self._last = logits
         if coverage(self._score[spliced], COVERAGE_SHARE) < TRUSTED_COVERAGE:
-            return self._take(task, self._total)
-        return self._take(task, max(1, math.ceil(FIRST_SHARE * self._total)))
+            return self._take(task, len(spliced))
+        return self._take(task, max(1, math.ceil(FIRST_SHARE * len(spliced))))
 
     def refine(self, task: RepairTask, logits: torch.Tensor) -> tuple[int, ...] | None:
-        taken, total = len(self._taken), self._total
+        taken, total = len(self._taken), task.plan.tokens(SpanKind.SPLICED)
         if self._last is None or taken == total or kl_divergence(logits, self._last) <= task.target:
             # (No estimate yet: nothing was spliced, so there was no probe.)
             return None

@@ -107,10 +107,7 @@ class QueryRepair(RepairPolicy):
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, QueryAttentionObserver)
-        spliced = torch.tensor(task.plan.positions(SpanKind.SPLICED))
-        score = probe.observer.score[spliced]
-        top = torch.topk(score, min(task.budget, len(spliced))).indices
-        return tuple(sorted(spliced[top].tolist()))
+        return most_attended(task.plan, probe.observer.score, task.budget)
 
 
 # The first segment takes at most this share of the budget: at 4 documents it is a quarter of the
@@ -145,7 +142,6 @@ def lead_choice(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]
     """`lead`'s choice of `budget` spliced positions (sorted) from the question's attention `score`
     [prompt tokens]. Nested: the choice at a budget holds the choice at every smaller one (the first
     segment's share, budget // 2, only grows; the rest are the best remaining by score)."""
-    spliced = torch.tensor(plan.positions(SpanKind.SPLICED))
     score = score.clone()
     first = plan.spliced()[0]
     if first.segment == 0:
@@ -153,5 +149,11 @@ def lead_choice(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]
         lead = part.topk(min(len(part), int(LEAD_SHARE * budget))).indices + first.start
         # Above every other token (attention mass is finite and >= 0), in the question's order.
         score[lead] += score.max() + 1
+    return most_attended(plan, score, budget)
+
+
+def most_attended(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]:
+    """The `budget` spliced positions (sorted) with the highest `score` [prompt tokens]."""
+    spliced = torch.tensor(plan.positions(SpanKind.SPLICED))
     top = torch.topk(score[spliced], min(budget, len(spliced))).indices
     return tuple(sorted(spliced[top].tolist()))
