@@ -79,6 +79,11 @@ class EngineConfig:
         "context, as background work)",
         default="prompt",
     )
+    segment_contexts: int = _opt(
+        "contexts a stored segment's KV is the mean over: after it is stored, the segment is computed "
+        "after n - 1 more contexts made of other stored segments, as background work (1: off)",
+        default=1,
+    )
     auto_segments: bool = _opt(
         "reuse without markup: find spans a prompt shares with earlier prompts (RAG passages, re-sent "
         "tool outputs) and splice them like marked segments; --no-auto-segments turns it off",
@@ -155,6 +160,7 @@ class EngineConfig:
         _check(self.prefix_cache in PREFIX_CACHE_NAMES, f"prefix_cache must be one of {PREFIX_CACHE_NAMES}")
         _check(self.auto_segment_min_tokens >= 1, "auto_segment_min_tokens must be >= 1")
         _check(self.segment_kv in SEGMENT_KV, f"segment_kv must be one of {SEGMENT_KV}")
+        _check(self.segment_contexts >= 1, "segment_contexts must be >= 1")
         _check(self.repair in POLICY_NAMES, f"repair must be one of {POLICY_NAMES}")
         _check(self.store_disk_gb > 0, "store_disk_gb must be > 0")
         # Both raise ConfigError for a bad field.

@@ -224,6 +224,7 @@ class _Run:
                 cache_salt=system.cache_salt,
             )
             stored_before = engine.segment_store.stats.inserted_tokens
+            sampled_before = engine.segment_store.stats.sampled_tokens
             request_id = engine.add_request(prompt, self.params, options)
             # The request runs alone: step until the engine is idle, which includes the steps that store
             # the segments it missed (after its first token), so their KV counts for it.
@@ -258,6 +259,8 @@ class _Run:
         # Segments promoted from a tier below enter the pool's store too, but were loaded, not computed.
         promoted = sum(m.store_hit_tokens.values())
         record.store_tokens = engine.segment_store.stats.inserted_tokens - stored_before - promoted
+        # Computing stored segments after more contexts (segment_contexts > 1) is store work too.
+        record.store_tokens += engine.segment_store.stats.sampled_tokens - sampled_before
         assert record.store_tokens >= 0, "the store grew by less than the segments promoted into it"
         record.store_hit_tokens = dict(m.store_hit_tokens)
         record.store_load_s = m.store_load_s

@@ -39,6 +39,8 @@ class SegmentEntry:
     # canonical position len(context) + j.
     blocks: list[int]
     last_access: float = field(default_factory=time.monotonic)
+    # How many contexts the stored KV is the mean over (EngineConfig.segment_contexts).
+    contexts: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +54,8 @@ class SegmentStoreStats:
     hit_tokens: int = 0
     inserted_tokens: int = 0
     evictions: int = 0
+    # Tokens computed to give stored segments more contexts (background work, store_fill.ContextSample).
+    sampled_tokens: int = 0
 
 
 class StoreWatcher(Protocol):
@@ -112,6 +116,10 @@ class SegmentStore:
             self.stats.hit_tokens += len(tokens)
             self._touch(entry)
         return entry
+
+    def others(self, namespace: Hashable, tokens: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The other segments held for `namespace`, oldest first; changes nothing."""
+        return [t for (ns, t) in self._entries if ns == namespace and t != tokens]
 
     def count_queued_hit(self, tokens: tuple[int, ...]) -> None:
         """A lookup that missed, served instead by a segment whose copy into the store is queued (its KV

@@ -117,7 +117,9 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, frozenset(eos), self.max_model_len)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.store_work = StoreWork(self.segment_store, self.pool, self.runner, self.lower, config.segment_kv)
+        self.store_work = StoreWork(
+            self.segment_store, self.pool, self.runner, self.lower, config.segment_kv, config.segment_contexts
+        )
         # Prompts for the span finder to index (their KV now computed), at the start of the next step.
         self._to_index: list[tuple[Hashable, tuple[int, ...]]] = []
 

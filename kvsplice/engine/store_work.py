@@ -6,7 +6,8 @@
     copy(segments)                           copy queued captures into the store, segment by segment (tens
                                              of milliseconds each), and let go of the blocks held for them
     fill(tokens)                             one chunk of the segments computed again on their own
-                                             (segment_kv="canonical")
+                                             (segment_kv="canonical"), or of a stored segment computed
+                                             after another context (segment_contexts > 1)
 
 None of it runs in a step with a prefill in it or a request waiting (the scheduler leaves no
 background budget there), so no first token waits for another request's store work. A request
@@ -27,7 +28,7 @@ from kvsplice.kv.pool import KVPool
 from kvsplice.models.runner import ModelRunner
 from kvsplice.reuse.lower_tiers import LowerTiers
 from kvsplice.reuse.prefill import MissedSegment, PendingKV, Prefill
-from kvsplice.reuse.store_fill import StoreFill, capture_in_place
+from kvsplice.reuse.store_fill import ContextSample, StoreFill, capture_in_place
 from kvsplice.reuse.work import PrefillWork
 
 
@@ -51,17 +52,20 @@ class StoreWork:
         runner: ModelRunner,
         lower: LowerTiers | None,
         segment_kv: str,
+        segment_contexts: int = 1,
     ) -> None:
         self.store = store
         self.pool = pool
         self.runner = runner
         self.lower = lower
         self.segment_kv = segment_kv
+        self.segment_contexts = segment_contexts
         self._copies: deque[_Copy] = deque()
-        # Segments to compute on their own and store; the one being computed.
-        self._fills: deque[StoreFill] = deque()
-        self._filling: tuple[StoreFill, PrefillWork] | None = None
+        # Segments to compute on their own and store, or after another context; the one being computed.
+        self._fills: deque[StoreFill | ContextSample] = deque()
+        self._filling: tuple[StoreFill | ContextSample, PrefillWork] | None = None
         self.fills_dropped = 0
+        self.samples_dropped = 0
 
     @property
     def busy(self) -> bool:
@@ -111,8 +115,8 @@ class StoreWork:
             captured = capture_in_place(
                 self.store, self.pool, runner.cfg, runner.freqs, c.namespace, m.tokens, c.blocks, m.start
             )
-            if captured and self.lower is not None:
-                self.lower.write_through(c.namespace, m.tokens)
+            if captured:
+                self._stored(c.namespace, m.tokens)
             if c.release:
                 self.pool.allocator.decref(reversed(c.blocks))
             done += 1
@@ -124,7 +128,11 @@ class StoreWork:
             fill = self._fills.popleft()
             work = fill.start()
             if work is None:
-                self.fills_dropped += not self.store.contains(fill.namespace, fill.tokens)
+                if isinstance(fill, ContextSample):
+                    self.samples_dropped += 1
+                    self._sampled(fill)
+                else:
+                    self.fills_dropped += not self.store.contains(fill.namespace, fill.tokens)
                 continue
             self._filling = (fill, work)
         if self._filling is None:
@@ -135,5 +143,28 @@ class StoreWork:
         if work.done:
             fill.finish()
             self._filling = None
-            if self.lower is not None:
-                self.lower.write_through(fill.namespace, fill.tokens)
+            if isinstance(fill, ContextSample):
+                self._sampled(fill)
+            else:
+                self._stored(fill.namespace, fill.tokens)
+
+    def _stored(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
+        """A segment entered the store: queue its other contexts, or, with none to come, write it to the
+        tiers below."""
+        if self.segment_contexts == 1:
+            self._write_through(namespace, tokens)
+            return
+        for index in range(1, self.segment_contexts):
+            self._fills.append(
+                ContextSample(self.store, self.pool, self.runner.num_layers, namespace, tokens, index)
+            )
+
+    def _sampled(self, sample: ContextSample) -> None:
+        """A context sample is done or dropped: after the last, the segment's KV is final for the tiers
+        below (they hold a segment once, so it goes when no more samples will change it)."""
+        if sample.index == self.segment_contexts - 1:
+            self._write_through(sample.namespace, sample.tokens)
+
+    def _write_through(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
+        if self.lower is not None and self.store.contains(namespace, tokens):
+            self.lower.write_through(namespace, tokens)

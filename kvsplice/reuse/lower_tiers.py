@@ -106,6 +106,7 @@ def store_fingerprint(
         rope=f"layers={layers};window={cfg.sliding_window};{rope}",
         context_tokens=context,
         segment_kv=config.segment_kv,
+        segment_contexts=config.segment_contexts,
     )
 
 

@@ -5,6 +5,12 @@
   token is computed twice: a new document costs one prefill, as with a prefix cache.
 - `StoreFill`: the segment is computed again on its own, after the canonical context.
 
+Either way the stored KV saw one context, and a spliced segment is wrong by how its new context differs
+from that one. With `EngineConfig.segment_contexts` = n > 1 the store then computes the segment after
+n - 1 more contexts made of other segments it holds (`ContextSample`), and keeps the mean KV over all
+n: the mean is nearer to the KV of an unseen context than any one sample (the part of the KV that
+depends on which context preceded averages out), which is what repair starts from.
+
 A fill is background work: the scheduler runs it only in token budget no request needs, and it is
 dropped (never waited for) when the pool has no memory to spare. The first fill also computes the
 canonical context, in the same pass, and hands its blocks to the store for good.
@@ -12,6 +18,7 @@ canonical context, in the same pass, and hands its blocks to the store for good.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -92,3 +99,87 @@ def capture_in_place(
     move_kv(pool, cfg, freqs, src, dst, torch.full_like(local, store.start_position - start))
     store.insert(namespace, tokens, blocks)
     return True
+
+
+class ContextSample:
+    """The `index`-th extra context of a stored segment: the segment computed after other segments the
+    store holds, folded into the entry's running mean. Background work like `StoreFill`."""
+
+    def __init__(
+        self,
+        store: SegmentStore,
+        pool: KVPool,
+        num_layers: int,
+        namespace: Hashable,
+        tokens: tuple[int, ...],
+        index: int,
+    ) -> None:
+        assert index >= 1, "context 0 is the one the segment was stored with"
+        self.store = store
+        self.pool = pool
+        self.num_layers = num_layers
+        self.namespace = namespace
+        self.tokens = tokens
+        self.index = index
+        self._blocks: list[int] = []
+
+    def start(self) -> PrefillWork | None:
+        """Reserve the sample's blocks and return its work: a prefill of the sampled context and the
+        segment. None when the entry is gone, the store has no context to vary, or memory is short."""
+        context = sample_context(self.store, self.namespace, self.tokens, self.index)
+        if self.store.peek(self.namespace, self.tokens) is None or not context:
+            return None
+        sequence = context + self.tokens
+        try:
+            self._blocks = self.pool.allocator.allocate(-(-len(sequence) // self.pool.block_size))
+        except OutOfBlocksError:
+            return None
+        return PrefillWork(
+            self._blocks,
+            sequence,
+            Pass(tuple(range(len(sequence))), range(self.num_layers)),
+            self.num_layers,
+            need_logits=False,
+        )
+
+    def finish(self) -> None:
+        """Fold the sample into the entry (if it is still held) and give the sample's blocks back."""
+        entry = self.store.peek(self.namespace, self.tokens)
+        if entry is not None:
+            local = torch.arange(len(self.tokens), device=self.pool.device)
+            stored = self.pool.slots(entry.blocks, local)
+            # The sample's context is as long as the canonical one: the segment sits at its canonical
+            # positions, so keys fold without a rotation.
+            sampled = self.pool.slots(self._blocks, local + self.store.start_position)
+            weight = 1.0 / (entry.contexts + 1)
+            for layer in range(self.num_layers):
+                k, v = self.pool.read(layer, stored)
+                new_k, new_v = self.pool.read(layer, sampled)
+                k, v = k.float(), v.float()
+                self.pool.write(
+                    layer, stored, k + (new_k.float() - k) * weight, v + (new_v.float() - v) * weight
+                )
+            entry.contexts += 1
+            self.store.stats.sampled_tokens += self.store.start_position + len(self.tokens)
+        self.pool.allocator.decref(reversed(self._blocks))
+        self._blocks = []
+
+
+def sample_context(
+    store: SegmentStore, namespace: Hashable, tokens: tuple[int, ...], index: int
+) -> tuple[int, ...]:
+    """A context as long as the canonical one, to compute `tokens` after: the canonical context's first
+    token (BOS), then the end of other stored segments of the namespace in an order drawn from
+    (index, tokens), with the canonical context's text before them where they are too few. Empty when
+    the store has no canonical context (a model without a tokenizer: segments start at position 0)."""
+    context = store.context
+    if not context:
+        return ()
+    others = store.others(namespace, tokens)
+    random.Random(hash((index, tokens))).shuffle(others)
+    body = list(context[1:])
+    for other in others:
+        if len(body) >= 2 * len(context):
+            break
+        body += other
+    return (context[0], *body[len(body) - (len(context) - 1) :])

@@ -43,12 +43,18 @@ class KVFingerprint:
     # How a segment's KV was made (EngineConfig.segment_kv): after the canonical context, or copied from
     # the prompt that first carried it. The two differ for the same tokens, so they never share entries.
     segment_kv: str
+    # How many contexts a segment's KV is the mean over (EngineConfig.segment_contexts).
+    segment_contexts: int
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in DTYPE_NAMES or self.kv_dtype not in DTYPE_NAMES:
             raise ConfigError(f"fingerprint dtypes must be in {DTYPE_NAMES}")
         if min(self.num_layers, self.num_kv_heads, self.head_dim) < 1:
             raise ConfigError("fingerprint layout sizes must be >= 1")
+        if not isinstance(self.segment_contexts, int) or self.segment_contexts < 1:
+            raise ConfigError(
+                f"fingerprint segment_contexts must be an int >= 1, not {self.segment_contexts!r}"
+            )
         if self.segment_kv not in SEGMENT_KV:
             raise ConfigError(f"fingerprint segment_kv must be one of {SEGMENT_KV}, not {self.segment_kv!r}")
         if not self.model_hash or not self.tokenizer_hash:

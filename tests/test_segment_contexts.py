@@ -1,0 +1,141 @@
+"""A stored segment's KV as the mean over several contexts (EngineConfig.segment_contexts).
+
+On the default model: the stored KV equals the mean of KV computed directly, by a plain prefill of
+each context followed by the segment; the contexts are background work after the first token. Without
+a model: how a context is drawn from the store's other segments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsplice import LLM, SamplingParams, Segment
+from kvsplice.cache.segments import SegmentStore
+from kvsplice.config import EngineConfig
+from kvsplice.errors import ConfigError
+from kvsplice.kv import rope
+from kvsplice.kv.allocator import BlockAllocator
+from kvsplice.prompt import parse_prompt
+from kvsplice.reuse.store_fill import sample_context
+
+DOCS = [
+    "The Larkspur Observatory\nThe Larkspur Observatory stands on a ridge above the town of Emmerich. "
+    + "It was founded by a society of amateur astronomers who pooled their savings. " * 3,
+    "River Transport in the Valley\nBarges carried timber and ore down the Velde river for two centuries. "
+    + "Each barge was towed by horses walking along a path beside the water. " * 3,
+]
+ONE = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def _prompt(doc: int) -> list:
+    return ["Answer from the documents.\n\n", Segment(DOCS[doc]), "Question: Who founded it?\nAnswer:"]
+
+
+def _kv(llm: LLM, tokens: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [layers, end - start, kv_heads, head_dim] of tokens start..end in a plain prefill of `tokens`."""
+    engine = llm.engine
+    table = engine.pool.allocator.allocate(-(-len(tokens) // engine.pool.block_size))
+    engine.runner.prefill(table, tokens, list(range(len(tokens))))
+    slots = engine.pool.slots(table, torch.arange(start, end))
+    k, v = engine.pool.k[:, slots].clone(), engine.pool.v[:, slots].clone()
+    engine.pool.allocator.decref(reversed(table))
+    return k, v
+
+
+def _in_place(llm: LLM, doc: int) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+    """The document's tokens and its KV where the prompt carries it, keys moved to the store's
+    canonical positions (what the store keeps from the request that computed it)."""
+    engine = llm.engine
+    parsed = parse_prompt(_prompt(doc), llm.tokenizer, engine.model_config.vocab_size)
+    span = parsed.segments[0]
+    k, v = _kv(llm, list(parsed.token_ids), span.start, span.end)
+    cfg, shift = engine.model_config, engine.segment_store.start_position - span.start
+    delta = torch.full((span.end - span.start,), shift)
+    k = torch.stack(
+        [rope.rotate_by(k[i], delta, engine.runner.freqs[t]) for i, t in enumerate(cfg.layer_types)]
+    )
+    return parsed.segment_tokens(span), k, v
+
+
+def _stored(llm: LLM, tokens: tuple[int, ...]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    engine = llm.engine
+    entry = engine.segment_store.peek((str(engine.model_dir), None), tokens)
+    assert entry is not None
+    slots = engine.pool.slots(entry.blocks, torch.arange(len(tokens)))
+    return entry.contexts, engine.pool.k[:, slots], engine.pool.v[:, slots]
+
+
+@pytest.mark.slow
+def test_stored_kv_is_the_mean_over_its_contexts(default_model_dir) -> None:
+    llm = LLM(prefix_cache="off", auto_segments=False, repair="none", segment_contexts=3, kv_cache_gb=0.3)
+    engine, store = llm.engine, llm.engine.segment_store
+    context = store.context
+    engine.add_request(_prompt(0), ONE)
+    first = engine.step()
+    # The first token goes out before any store work; the copy and both contexts follow, as background.
+    assert first[0].output is not None and len(store) == 0
+    while engine.has_unfinished():
+        assert engine.step() == []
+    tokens0, k_prompt, v_prompt = _in_place(llm, 0)
+    # The first document has no other segment to draw a context from: both extra contexts are the
+    # canonical one.
+    k_canon, v_canon = _kv(llm, [*context, *tokens0], len(context), len(context) + len(tokens0))
+    contexts, k, v = _stored(llm, tokens0)
+    assert contexts == 3
+    torch.testing.assert_close(k, (k_prompt + 2 * k_canon) / 3, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v, (v_prompt + 2 * v_canon) / 3, atol=1e-4, rtol=1e-4)
+    assert store.stats.sampled_tokens == 2 * (len(context) + len(tokens0))
+    # Not the single context's KV: the mean moved it.
+    assert (k - k_prompt).abs().max() > 1e-2
+
+    llm.generate([_prompt(1)], ONE)
+    while engine.has_unfinished():
+        engine.step()
+    tokens1, k_prompt, v_prompt = _in_place(llm, 1)
+    # The second document's contexts end with the first document, the only other segment held.
+    other = [*context[:1], *[*context[1:], *tokens0][-(len(context) - 1) :]]
+    k_other, v_other = _kv(llm, [*other, *tokens1], len(context), len(context) + len(tokens1))
+    contexts, k, v = _stored(llm, tokens1)
+    assert contexts == 3
+    torch.testing.assert_close(k, (k_prompt + 2 * k_other) / 3, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v, (v_prompt + 2 * v_other) / 3, atol=1e-4, rtol=1e-4)
+
+
+def _store(context: tuple[int, ...], segments: list[tuple[int, ...]]) -> SegmentStore:
+    allocator = BlockAllocator(64, 4)
+    store = SegmentStore(allocator, context)
+    for tokens in segments:
+        store.insert("ns", tokens, allocator.allocate(-(-len(tokens) // 4)))
+    return store
+
+
+def test_a_context_is_as_long_as_the_canonical_one_and_ends_with_other_segments() -> None:
+    context = tuple(range(900, 912))  # 12 tokens, BOS first
+    segments = [tuple(range(100 * i, 100 * i + 5)) for i in range(1, 7)]
+    store = _store(context, segments)
+    own = segments[0]
+    drawn = [sample_context(store, "ns", own, index) for index in range(1, 9)]
+    for sample in drawn:
+        assert len(sample) == len(context) and sample[0] == context[0]
+        body = sample[1:]
+        # Whole other segments at its end, never the segment itself or the canonical text.
+        assert body[-5:] in segments[1:] and body[-10:-5] in segments[1:]
+        assert not set(body) & set(own) and not set(body) & set(context[1:])
+    # Deterministic, and the draws differ from one context to the next.
+    assert drawn == [sample_context(store, "ns", own, index) for index in range(1, 9)]
+    assert len(set(drawn)) > 1
+    # Another namespace has no other segments: the canonical context itself.
+    assert sample_context(store, "other", own, 1) == context
+
+
+def test_with_few_other_segments_the_canonical_text_comes_first() -> None:
+    context = tuple(range(900, 912))
+    store = _store(context, [(1, 2, 3), (4, 5, 6, 7)])
+    sample = sample_context(store, "ns", (1, 2, 3), 1)
+    assert sample == (900, *context[5:], 4, 5, 6, 7)
+    assert sample_context(_store((), [(1, 2)]), "ns", (1, 2), 1) == ()
+
+
+def test_segment_contexts_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="segment_contexts"):
+        EngineConfig(segment_contexts=0)
