@@ -301,6 +301,21 @@ class _Run:
             if evictions:
                 self.notes.append(f"the shared splice engine's segment store evicted {evictions} entries")
 
+    def note_store_contexts(self, records: list[RequestRecord]) -> None:
+        """What giving stored segments more contexts cost (segment_contexts > 1), warm-up included: it
+        runs after the requests that bring a segment, often unmeasured warm-ups."""
+        splice = self.engines.get(SPLICE_ENGINE)
+        if splice is None or splice.llm is None or self.config.engine.segment_contexts == 1:
+            return
+        engine = splice.llm.engine
+        prompts = {r.request_id: r.prompt_tokens for r in records if not r.warmup}
+        self.notes.append(
+            f"segment_contexts={self.config.engine.segment_contexts}: the segment store computed "
+            f"{engine.segment_store.stats.sampled_tokens:,} tokens to give segments more contexts, "
+            f"{engine.segment_store.stats.sampled_tokens / max(1, sum(prompts.values())):.0%} of the "
+            f"measured requests' prompt tokens; {engine.store_work.samples_dropped} contexts dropped"
+        )
+
 
 def split_pools(need: dict[str, int], floor: dict[str, int], cap: int) -> dict[str, int]:
     """Blocks per engine within `cap`: every engine its need if that fits; else the single-system
@@ -349,6 +364,7 @@ def run_bench(config: BenchConfig, workload: Workload | None = None) -> BenchRes
     machine = dataclasses.replace(machine, torch_threads=torch.get_num_threads())
     records = run.run()
     run.check_evictions()
+    run.note_store_contexts(records)
     tier_stats = run.close()
     if config.skip_warmup:
         run.notes.append("warm-up requests not sent (--skip-warmup): shared content was new to every pool")
