@@ -16,7 +16,7 @@ from kvsplice.errors import ConfigError
 from kvsplice.kv import rope
 from kvsplice.kv.allocator import BlockAllocator
 from kvsplice.prompt import parse_prompt
-from kvsplice.reuse.store_fill import sample_context
+from kvsplice.reuse.store_fill import ContextPiece, sample_context
 
 DOCS = [
     "The Larkspur Observatory\nThe Larkspur Observatory stands on a ridge above the town of Emmerich. "
@@ -92,13 +92,44 @@ def test_stored_kv_is_the_mean_over_its_contexts(default_model_dir) -> None:
     while engine.has_unfinished():
         engine.step()
     tokens1, k_prompt, v_prompt = _in_place(llm, 1)
-    # The second document's contexts end with the first document, the only other segment held.
-    other = [*context[:1], *[*context[1:], *tokens0][-(len(context) - 1) :]]
-    k_other, v_other = _kv(llm, [*other, *tokens1], len(context), len(context) + len(tokens1))
-    contexts, k, v = _stored(llm, tokens1)
+    # The second document's contexts end with the first document, the only other segment held, whose
+    # stored KV (the mean above) is moved there; the canonical text before it and the document are
+    # computed.
+    k_other, v_other = _after_stored(llm, tokens0, k, v, tokens1)
+    contexts, k1, v1 = _stored(llm, tokens1)
     assert contexts == 3
-    torch.testing.assert_close(k, (k_prompt + 2 * k_other) / 3, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(v, (v_prompt + 2 * v_other) / 3, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k1, (k_prompt + 2 * k_other) / 3, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v1, (v_prompt + 2 * v_other) / 3, atol=1e-4, rtol=1e-4)
+    # Computed for the second document: the first token, the canonical text and itself, twice.
+    assert store.stats.sampled_tokens == 2 * (len(context) + len(tokens0)) + 2 * (
+        len(context) - len(tokens0) + len(tokens1)
+    )
+
+
+def _after_stored(
+    llm: LLM, other: tuple[int, ...], k: torch.Tensor, v: torch.Tensor, tokens: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of `tokens` computed after BOS, the end of the canonical text and `other`, whose KV is `k`,
+    `v` at the canonical positions, moved to where it is in that sequence."""
+    engine = llm.engine
+    context = engine.segment_store.context
+    head = [*context[:1], *context[len(context) - (len(context) - 1 - len(other)) :]]
+    sequence = [*head, *other, *tokens]
+    table = engine.pool.allocator.allocate(-(-len(sequence) // engine.pool.block_size))
+    engine.runner.prefill(table, head, list(range(len(head))))
+    here = torch.arange(len(head), len(head) + len(other))
+    shift = torch.full((len(other),), len(head) - len(context))
+    slots = engine.pool.slots(table, here)
+    for layer, kind in enumerate(engine.model_config.layer_types):
+        moved = rope.rotate_by(k[layer], shift, engine.runner.freqs[kind])
+        engine.pool.write(layer, slots, moved, v[layer])
+    start = len(head) + len(other)
+    positions = list(range(start, len(sequence)))
+    engine.runner.prefill(table, sequence, positions)
+    out = engine.pool.slots(table, torch.tensor(positions))
+    result = engine.pool.k[:, out].clone(), engine.pool.v[:, out].clone()
+    engine.pool.allocator.decref(reversed(table))
+    return result
 
 
 def _store(context: tuple[int, ...], segments: list[tuple[int, ...]]) -> SegmentStore:
@@ -115,25 +146,30 @@ def test_a_context_is_as_long_as_the_canonical_one_and_ends_with_other_segments(
     store = _store(context, segments)
     own = segments[0]
     drawn = [sample_context(store, "ns", own, index) for index in range(1, 9)]
-    for sample in drawn:
-        assert len(sample) == len(context) and sample[0] == context[0]
-        body = sample[1:]
-        # Whole other segments at its end, never the segment itself or the canonical text.
-        assert body[-5:] in segments[1:] and body[-10:-5] in segments[1:]
-        assert not set(body) & set(own) and not set(body) & set(context[1:])
+    for pieces in drawn:
+        assert pieces[0] == ContextPiece(context[:1])
+        assert sum(len(p.tokens) for p in pieces) == len(context)
+        # Then only other segments' ends, moved from the store; only the first may be cut.
+        rest = pieces[1:]
+        assert all(p.source in segments[1:] for p in rest)
+        assert all(p.tokens == p.source[p.offset :] for p in rest if p.source is not None)
+        assert all(p.offset == 0 for p in rest[1:]) and len({p.source for p in rest}) == len(rest)
     # Deterministic, and the draws differ from one context to the next.
     assert drawn == [sample_context(store, "ns", own, index) for index in range(1, 9)]
-    assert len(set(drawn)) > 1
-    # Another namespace has no other segments: the canonical context itself.
-    assert sample_context(store, "other", own, 1) == context
+    assert len({tuple(p.source for p in pieces) for pieces in drawn}) > 1
+    # Another namespace has no other segments: the canonical context itself, computed.
+    assert sample_context(store, "other", own, 1) == [ContextPiece(context[:1]), ContextPiece(context[1:])]
 
 
 def test_with_few_other_segments_the_canonical_text_comes_first() -> None:
     context = tuple(range(900, 912))
     store = _store(context, [(1, 2, 3), (4, 5, 6, 7)])
-    sample = sample_context(store, "ns", (1, 2, 3), 1)
-    assert sample == (900, *context[5:], 4, 5, 6, 7)
-    assert sample_context(_store((), [(1, 2)]), "ns", (1, 2), 1) == ()
+    assert sample_context(store, "ns", (1, 2, 3), 1) == [
+        ContextPiece((900,)),
+        ContextPiece(context[5:]),
+        ContextPiece((4, 5, 6, 7), (4, 5, 6, 7), 0),
+    ]
+    assert sample_context(_store((), [(1, 2)]), "ns", (1, 2), 1) == []
 
 
 def test_segment_contexts_must_be_positive() -> None:

@@ -156,7 +156,9 @@ class StoreWork:
             return
         for index in range(1, self.segment_contexts):
             self._fills.append(
-                ContextSample(self.store, self.pool, self.runner.num_layers, namespace, tokens, index)
+                ContextSample(
+                    self.store, self.pool, self.runner.cfg, self.runner.freqs, namespace, tokens, index
+                )
             )
 
     def _sampled(self, sample: ContextSample) -> None:
