@@ -175,3 +175,15 @@ def test_with_few_other_segments_the_canonical_text_comes_first() -> None:
 def test_segment_contexts_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="segment_contexts"):
         EngineConfig(segment_contexts=0)
+
+
+@pytest.mark.slow
+def test_closing_before_the_contexts_still_writes_the_segment(default_model_dir, tmp_path) -> None:
+    """A segment goes to the tiers below once its last context is folded in; closed before that, it
+    goes with the contexts it has, rather than never."""
+    llm = LLM(prefix_cache="off", auto_segments=False, store_dir=str(tmp_path), kv_cache_gb=0.3)
+    assert llm.engine.config.segment_contexts == 4
+    llm.generate([_prompt(0)], ONE)
+    assert llm.engine.store_work.busy
+    llm.close()
+    assert len(list(tmp_path.glob("*.kv"))) == 1

@@ -213,8 +213,10 @@ class Engine:
         """Copy the segments queued for the store (the last requests' new documents: a copy is cheap,
         and without it they would never reach the tiers below), finish the tiers' queued writes (a few
         seconds at most) and the queued KV events, then release them. Requests still in the engine are
-        not run, nor queued store fills (segment_kv="canonical"), which would compute."""
+        not run, nor queued store fills (segment_kv="canonical") or extra contexts (segment_contexts), which
+        would compute: a segment still waiting for contexts goes to the tiers with those it has."""
         self.store_work.copy()
+        self.store_work.write_unsampled()
         if self.lower is not None:
             self.lower.close()
         if self.events is not None:

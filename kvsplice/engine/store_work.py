@@ -151,7 +151,8 @@ class StoreWork:
     def _stored(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
         """A segment entered the store: queue its other contexts, or, with none to come, write it to the
         tiers below."""
-        if self.segment_contexts == 1:
+        if self.segment_contexts == 1 or not self.store.context:
+            # Without a canonical context (a model without a tokenizer) there is no context to vary.
             self._write_through(namespace, tokens)
             return
         for index in range(1, self.segment_contexts):
@@ -160,6 +161,15 @@ class StoreWork:
                     self.store, self.pool, self.runner.cfg, self.runner.freqs, namespace, tokens, index
                 )
             )
+
+    def write_unsampled(self) -> None:
+        """At close: segments whose extra contexts are still queued go to the tiers below with the
+        contexts they have (the queued ones are not computed), rather than never."""
+        queued = [f for f in self._fills if isinstance(f, ContextSample)]
+        if self._filling is not None and isinstance(self._filling[0], ContextSample):
+            queued.append(self._filling[0])
+        for namespace, tokens in dict.fromkeys((f.namespace, f.tokens) for f in queued):
+            self._write_through(namespace, tokens)
 
     def _sampled(self, sample: ContextSample) -> None:
         """A context sample is done or dropped: after the last, the segment's KV is final for the tiers
