@@ -290,6 +290,8 @@ def test_metrics_names(server: ServerThread) -> None:
         "kvsplice:discovered_hit_tokens_total",
         "kvsplice:recomputed_tokens_total",
         "kvsplice:segment_store_entries",
+        "kvsplice:segment_store_context_tokens_total",
+        "kvsplice:segment_store_contexts_dropped_total",
     ]:
         assert name in m, name
     assert m["vllm:prompt_tokens_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] > 0

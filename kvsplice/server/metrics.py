@@ -177,4 +177,14 @@ class _EngineCollector(Collector):
             "Missed segments not stored: no memory to spare when their turn came",
             s.segment_fills_dropped,
         )
+        yield counter(
+            "kvsplice:segment_store_context_tokens",
+            "Tokens computed to give stored segments more contexts (segment_contexts), background work",
+            s.segment_sampled_tokens,
+        )
+        yield counter(
+            "kvsplice:segment_store_contexts_dropped",
+            "Extra contexts of stored segments not computed: the segment was gone or memory short",
+            s.segment_contexts_dropped,
+        )
         yield gauge("kvsplice:segment_store_entries", "Segments stored", s.segment_entries)
