@@ -159,8 +159,10 @@ class KVEventPublisher:
         for seq, payload in self._buffer:
             if seq >= start_seq:
                 self._replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-        self._replay.send_multipart([client, b"", END_SEQ, b""])
+        # Counted before the end marker goes out: a client that has the whole replay sees it counted
+        # (counted after, the suite read 0 once under load).
         self.stats.replays_served += 1
+        self._replay.send_multipart([client, b"", END_SEQ, b""])
 
     def _close_sockets(self) -> None:
         self._pub.close(linger=0)
