@@ -146,8 +146,10 @@ class ContextSample:
         """Reserve the sample's blocks, move the context's stored pieces into them and return the work
         that computes the rest. None when the entry is gone, the store has no context to vary, or
         memory is short."""
+        if self.store.peek(self.namespace, self.tokens) is None:
+            return None
         pieces = sample_context(self.store, self.namespace, self.tokens, self.index)
-        if self.store.peek(self.namespace, self.tokens) is None or not pieces:
+        if not pieces:
             return None
         sequence = tuple(t for piece in pieces for t in piece.tokens) + self.tokens
         try:
