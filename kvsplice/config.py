@@ -70,7 +70,8 @@ class EngineConfig:
     )
     segment_context_tokens: int | None = _opt(
         "length of the canonical context stored segments are computed after "
-        "(default: the model's sliding window + 64, or 256)",
+        "(default: 1024, or the model's sliding window + 64 where that is more; at most half the model's "
+        "positions)",
         default=None,
     )
     segment_kv: str = _opt(

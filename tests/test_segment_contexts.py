@@ -172,6 +172,36 @@ def test_with_few_other_segments_the_canonical_text_comes_first() -> None:
     assert sample_context(_store((), [(1, 2)]), "ns", (1, 2), 1) == []
 
 
+@pytest.mark.parametrize(
+    "window, positions, requested, expected",
+    [
+        (None, 32768, None, 1024),  # no sliding window (SmolLM2): the default
+        (512, 32768, None, 1024),  # Gemma 3: its window + 64 is less
+        (4096, 32768, None, 4160),  # a long window: a full window of context, and 64 more
+        (None, 1024, None, 512),  # at most half the model's positions
+        (None, 32768, 100, 112),  # asked for: rounded up to whole blocks
+    ],
+)
+def test_canonical_context_length(
+    window: int | None, positions: int, requested: int | None, expected: int
+) -> None:
+    from kvsplice.cache.segments import canonical_context_length
+    from kvsplice.model_config import ModelConfig
+    from tests.tiny_models import COMMON
+
+    cfg = ModelConfig.from_dict(
+        {
+            **COMMON,
+            "architectures": ["LlamaForCausalLM"],
+            "rope_theta": 10000.0,
+            "max_position_embeddings": positions,
+            **({"sliding_window": window} if window else {}),
+        }
+    )
+    assert cfg.sliding_window == window
+    assert canonical_context_length(cfg, 16, requested) == expected
+
+
 def test_segment_contexts_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="segment_contexts"):
         EngineConfig(segment_contexts=0)

@@ -169,11 +169,22 @@ class SegmentStore:
         heapq.heappush(self._lru, (entry.last_access, self._counter, entry.key))
 
 
+# A stored segment is computed after this many tokens of context by default (more where a sliding
+# window needs a full window of context): about where a segment sits in a prompt of several documents.
+# Measured on recall (8 documents, lead@15, 4 contexts; the same 30 requests) against the earlier
+# window + 64 (576) on Gemma 3 and 256 on SmolLM2: first-token agreement 83 -> 93% on Gemma 3 at an
+# equal mean KL, KL 0.115 -> 0.094 on SmolLM2 (bench/results/recall_*_8docs_context1024).
+DEFAULT_CONTEXT_TOKENS = 1024
+
+
 def canonical_context_length(cfg: ModelConfig, block_size: int, requested: int | None) -> int:
-    """Tokens of the canonical context: `requested`, or by default the model's sliding window plus 64
-    (256 for a model without one), rounded up to whole blocks."""
-    length = requested if requested is not None else (cfg.sliding_window + 64 if cfg.sliding_window else 256)
-    return -(-length // block_size) * block_size
+    """Tokens of the canonical context: `requested`, or by default DEFAULT_CONTEXT_TOKENS (the model's
+    sliding window plus 64 where that is more; at most half the model's positions), rounded up to
+    whole blocks."""
+    if requested is None:
+        window = cfg.sliding_window + 64 if cfg.sliding_window else 0
+        requested = min(max(DEFAULT_CONTEXT_TOKENS, window), cfg.max_position_embeddings // 2)
+    return -(-requested // block_size) * block_size
 
 
 def canonical_context(
