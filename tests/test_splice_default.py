@@ -69,9 +69,9 @@ def test_repair_brings_the_answer_distribution_closer(spliced: LLM, llm: LLM) ->
                 0
             ].first_logits,
         )
-        for policy in ("none", "recency", "full")
+        for policy in ("none", "lead", "full")
     }
-    assert kl["full"] < 1e-4 < kl["recency"] < kl["none"], kl
+    assert kl["full"] < 1e-4 < kl["lead"] < kl["none"], kl
 
 
 def test_adaptive_repair_at_target_zero_falls_back_to_the_full_prefill(spliced: LLM, llm: LLM) -> None:

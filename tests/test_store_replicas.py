@@ -54,8 +54,10 @@ def test_a_document_first_seen_by_replica_a_is_a_segment_hit_on_replica_b(
             b = openai.OpenAI(base_url=url_b + "/v1", api_key="unused", max_retries=0, timeout=120)
             first = ask(a, DOCS)
             assert first.segment_hit_tokens == 0 and first.store_hit_tokens == 0
-            # Write-through is asynchronous: wait until A's three documents are in Redis.
-            deadline = time.monotonic() + 30
+            # Write-through is asynchronous, and a segment is written once its three extra contexts are
+            # computed (about 1,000 tokens each while the store holds few other documents): wait until
+            # A's three documents are in Redis.
+            deadline = time.monotonic() + 180
             while redis_metric(url_a, "kvsplice:store_writes_total") < len(DOCS):
                 assert time.monotonic() < deadline, "replica A did not write its documents through"
                 time.sleep(0.2)
