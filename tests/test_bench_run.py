@@ -136,6 +136,8 @@ def test_default_model_rag_smoke(tmp_path: Path) -> None:
     assert by["radix"].kl_mean < 1e-4 and by["splice:full@100"].kl_mean < 1e-3  # type: ignore[operator]
     assert (by["splice:none@0"].segment_hit_frac or 0) > 0.5
     assert by["splice:none@0"].computed_frac < 0.2  # type: ignore[operator]
+    # The pools are sized for everything the run writes, 1,024-token contexts and their samples too.
+    assert not [n for n in result.notes if "evicted" in n], result.notes
     assert result.model is not None and result.model.has_tokenizer
     assert "| splice:none@0 | 1/1 |" in write_report(result, tmp_path)
 

@@ -44,6 +44,7 @@ from kvsplice.bench.systems import (
     unmarked,
 )
 from kvsplice.bench.workloads import make_workload
+from kvsplice.cache.segments import canonical_context_length
 from kvsplice.config import DTYPES, EngineConfig
 from kvsplice.engine.engine import Engine
 from kvsplice.kv.pool import bytes_per_block
@@ -143,10 +144,16 @@ class _Run:
             if any(s.engine_key == key for s in self.systems):
                 need[key], floor[key] = sum(requests) + 1, max(requests) + 1
         if num_splice:
-            # The segment store also holds its canonical context once (about the sliding window).
-            context = -(-((self.model_cfg.sliding_window or 256) + 64) // bs) + 1
-            need[SPLICE_ENGINE] = num_splice * (sum(requests) + doc_blocks) + context + 1
-            floor[SPLICE_ENGINE] = max(requests) + num_splice * doc_blocks + context + 1
+            e = self.config.engine
+            # The segment store holds its canonical context once (none without a tokenizer), and a
+            # context sample (segment_contexts > 1) holds a context and its segment while it runs: a
+            # pool sized without them evicts the very segments the measured requests come to reuse.
+            length = canonical_context_length(self.model_cfg, bs, e.segment_context_tokens)
+            context = length // bs if self.tokenizer else 0
+            longest = max((cache[text] for text in docs), default=0)
+            sample = context + -(-longest // bs) + 1 if context and e.segment_contexts > 1 else 0
+            need[SPLICE_ENGINE] = num_splice * (sum(requests) + doc_blocks) + context + sample + 1
+            floor[SPLICE_ENGINE] = max(requests) + num_splice * doc_blocks + context + sample + 1
         cap = int(self.config.kv_cache_gb * GIB // self.block_bytes)
         blocks = split_pools(need, floor, cap)
         cut = [k for k in need if blocks[k] < need[k]]
