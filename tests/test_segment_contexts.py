@@ -78,13 +78,14 @@ def test_stored_kv_is_the_mean_over_its_contexts(default_model_dir) -> None:
         assert engine.step() == []
     tokens0, k_prompt, v_prompt = _in_place(llm, 0)
     # The first document has no other segment to draw a context from: both extra contexts are the
-    # canonical one.
+    # canonical one, whose KV is computed once and moved in.
     k_canon, v_canon = _kv(llm, [*context, *tokens0], len(context), len(context) + len(tokens0))
     contexts, k, v = _stored(llm, tokens0)
     assert contexts == 3
     torch.testing.assert_close(k, (k_prompt + 2 * k_canon) / 3, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v, (v_prompt + 2 * v_canon) / 3, atol=1e-4, rtol=1e-4)
-    assert store.stats.sampled_tokens == 2 * (len(context) + len(tokens0))
+    assert store.stats.sampled_tokens == len(context) + 2 * len(tokens0)
+    assert store.context_blocks is not None
     # Not the single context's KV: the mean moved it.
     assert (k - k_prompt).abs().max() > 1e-2
 
@@ -93,27 +94,25 @@ def test_stored_kv_is_the_mean_over_its_contexts(default_model_dir) -> None:
         engine.step()
     tokens1, k_prompt, v_prompt = _in_place(llm, 1)
     # The second document's contexts end with the first document, the only other segment held, whose
-    # stored KV (the mean above) is moved there; the canonical text before it and the document are
-    # computed.
+    # stored KV (the mean above) is moved there; the canonical text before it is the canonical
+    # context's start, moved from its KV; only the document is computed.
     k_other, v_other = _after_stored(llm, tokens0, k, v, tokens1)
     contexts, k1, v1 = _stored(llm, tokens1)
     assert contexts == 3
     torch.testing.assert_close(k1, (k_prompt + 2 * k_other) / 3, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v1, (v_prompt + 2 * v_other) / 3, atol=1e-4, rtol=1e-4)
-    # Computed for the second document: the first token, the canonical text and itself, twice.
-    assert store.stats.sampled_tokens == 2 * (len(context) + len(tokens0)) + 2 * (
-        len(context) - len(tokens0) + len(tokens1)
-    )
+    # Computed for the second document: itself, twice.
+    assert store.stats.sampled_tokens == len(context) + 2 * len(tokens0) + 2 * len(tokens1)
 
 
 def _after_stored(
     llm: LLM, other: tuple[int, ...], k: torch.Tensor, v: torch.Tensor, tokens: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V of `tokens` computed after BOS, the end of the canonical text and `other`, whose KV is `k`,
-    `v` at the canonical positions, moved to where it is in that sequence."""
+    """K, V of `tokens` computed after the canonical context's start and `other`, whose KV is `k`, `v`
+    at the canonical positions, moved to where it is in that sequence."""
     engine = llm.engine
     context = engine.segment_store.context
-    head = [*context[:1], *context[len(context) - (len(context) - 1 - len(other)) :]]
+    head = list(context[: len(context) - len(other)])
     sequence = [*head, *other, *tokens]
     table = engine.pool.allocator.allocate(-(-len(sequence) // engine.pool.block_size))
     engine.runner.prefill(table, head, list(range(len(head))))
@@ -147,7 +146,7 @@ def test_a_context_is_as_long_as_the_canonical_one_and_ends_with_other_segments(
     own = segments[0]
     drawn = [sample_context(store, "ns", own, index) for index in range(1, 9)]
     for pieces in drawn:
-        assert pieces[0] == ContextPiece(context[:1])
+        assert pieces[0] == ContextPiece(context[:1], canonical=True)
         assert sum(len(p.tokens) for p in pieces) == len(context)
         # Then only other segments' ends, moved from the store; only the first may be cut.
         rest = pieces[1:]
@@ -157,16 +156,16 @@ def test_a_context_is_as_long_as_the_canonical_one_and_ends_with_other_segments(
     # Deterministic, and the draws differ from one context to the next.
     assert drawn == [sample_context(store, "ns", own, index) for index in range(1, 9)]
     assert len({tuple(p.source for p in pieces) for pieces in drawn}) > 1
-    # Another namespace has no other segments: the canonical context itself, computed.
-    assert sample_context(store, "other", own, 1) == [ContextPiece(context[:1]), ContextPiece(context[1:])]
+    # Another namespace has no other segments: the canonical context itself.
+    assert sample_context(store, "other", own, 1) == [ContextPiece(context, canonical=True)]
 
 
-def test_with_few_other_segments_the_canonical_text_comes_first() -> None:
+def test_with_few_other_segments_the_canonical_context_starts_it() -> None:
     context = tuple(range(900, 912))
     store = _store(context, [(1, 2, 3), (4, 5, 6, 7)])
+    # A prefix of the canonical context, at its own positions: its KV is the canonical context's.
     assert sample_context(store, "ns", (1, 2, 3), 1) == [
-        ContextPiece((900,)),
-        ContextPiece(context[5:]),
+        ContextPiece(context[:8], canonical=True),
         ContextPiece((4, 5, 6, 7), (4, 5, 6, 7), 0),
     ]
     assert sample_context(_store((), [(1, 2)]), "ns", (1, 2), 1) == []

@@ -7,7 +7,8 @@
                                              of milliseconds each), and let go of the blocks held for them
     fill(tokens)                             one chunk of the segments computed again on their own
                                              (segment_kv="canonical"), or of a stored segment computed
-                                             after another context (segment_contexts > 1)
+                                             after another context (segment_contexts > 1), or of the
+                                             canonical context (once, before the first such sample)
 
 None of it runs in a step with a prefill in it or a request waiting (the scheduler leaves no
 background budget there), so no first token waits for another request's store work. A request
@@ -28,8 +29,10 @@ from kvsplice.kv.pool import KVPool
 from kvsplice.models.runner import ModelRunner
 from kvsplice.reuse.lower_tiers import LowerTiers
 from kvsplice.reuse.prefill import MissedSegment, PendingKV, Prefill
-from kvsplice.reuse.store_fill import ContextSample, StoreFill, capture_in_place
+from kvsplice.reuse.store_fill import CanonicalContextFill, ContextSample, StoreFill, capture_in_place
 from kvsplice.reuse.work import PrefillWork
+
+Fill = StoreFill | ContextSample | CanonicalContextFill
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,10 @@ class StoreWork:
         self.segment_kv = segment_kv
         self.segment_contexts = segment_contexts
         self._copies: deque[_Copy] = deque()
-        # Segments to compute on their own and store, or after another context; the one being computed.
-        self._fills: deque[StoreFill | ContextSample] = deque()
-        self._filling: tuple[StoreFill | ContextSample, PrefillWork] | None = None
+        # Segments to compute on their own and store, or after another context, or the canonical
+        # context; the one being computed.
+        self._fills: deque[Fill] = deque()
+        self._filling: tuple[Fill, PrefillWork] | None = None
         self.fills_dropped = 0
         self.samples_dropped = 0
 
@@ -131,7 +135,7 @@ class StoreWork:
                 if isinstance(fill, ContextSample):
                     self.samples_dropped += 1
                     self._sampled(fill)
-                else:
+                elif isinstance(fill, StoreFill):
                     self.fills_dropped += not self.store.contains(fill.namespace, fill.tokens)
                 continue
             self._filling = (fill, work)
@@ -145,7 +149,7 @@ class StoreWork:
             self._filling = None
             if isinstance(fill, ContextSample):
                 self._sampled(fill)
-            else:
+            elif isinstance(fill, StoreFill):
                 self._stored(fill.namespace, fill.tokens)
 
     def _stored(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
@@ -155,6 +159,12 @@ class StoreWork:
             # Without a canonical context (a model without a tokenizer) there is no context to vary.
             self._write_through(namespace, tokens)
             return
+        if self.store.context_blocks is None and not any(
+            isinstance(f, CanonicalContextFill) for f in self._fills
+        ):
+            # Dropped when memory is short: the samples then compute their canonical text, and the
+            # next stored segment queues it again.
+            self._fills.appendleft(CanonicalContextFill(self.store, self.pool, self.runner.num_layers))
         for index in range(1, self.segment_contexts):
             self._fills.append(
                 ContextSample(

@@ -12,8 +12,9 @@ n: the mean is nearer to the KV of an unseen context than any one sample (the pa
 depends on which context preceded averages out), which is what repair starts from.
 
 A fill is background work: the scheduler runs it only in token budget no request needs, and it is
-dropped (never waited for) when the pool has no memory to spare. The first fill also computes the
-canonical context, in the same pass, and hands its blocks to the store for good.
+dropped (never waited for) when the pool has no memory to spare. The canonical context's KV is
+computed once and held by the store for good: by the first `StoreFill`, in the same pass, or by a
+`CanonicalContextFill` before the first context sample, whose canonical text is then moved from it.
 """
 
 from __future__ import annotations
@@ -102,14 +103,50 @@ def capture_in_place(
     return True
 
 
+class CanonicalContextFill:
+    """The canonical context's KV, computed once and held by the store for good. A context sample
+    starts with the canonical context's first tokens (all of them while the store holds few other
+    segments), at their own positions: their KV is then moved from here instead of computed, about
+    1,000 tokens a sample on a store that holds a few short documents."""
+
+    def __init__(self, store: SegmentStore, pool: KVPool, num_layers: int) -> None:
+        self.store = store
+        self.pool = pool
+        self.num_layers = num_layers
+        self._blocks: list[int] = []
+
+    def start(self) -> PrefillWork | None:
+        """Reserve the context's blocks and return its work; None when the store holds it already or
+        memory is short (the samples then compute their canonical text)."""
+        context = self.store.context
+        if self.store.context_blocks is not None:
+            return None
+        try:
+            self._blocks = self.pool.allocator.allocate(len(context) // self.pool.block_size)
+        except OutOfBlocksError:
+            return None
+        self.store.stats.sampled_tokens += len(context)
+        positions = tuple(range(len(context)))
+        return PrefillWork(
+            self._blocks, context, Pass(positions, range(self.num_layers)), self.num_layers, need_logits=False
+        )
+
+    def finish(self) -> None:
+        assert self.store.context_blocks is None, "the canonical context's KV is computed once"
+        self.store.context_blocks = self._blocks
+
+
 @dataclass(frozen=True)
 class ContextPiece:
     """A stretch of a sampled context: `tokens`, the end of the stored segment `source` from token
-    `offset` on (its KV is moved from the store, not computed), or computed where `source` is None."""
+    `offset` on (its KV is moved from the store, not computed); with `canonical`, the canonical
+    context's first tokens at their own positions (moved from the store's canonical KV where it holds
+    it); else computed."""
 
     tokens: tuple[int, ...]
     source: tuple[int, ...] | None = None
     offset: int = 0
+    canonical: bool = False
 
 
 class ContextSample:
@@ -159,20 +196,27 @@ class ContextSample:
         device, start = self.pool.device, self.store.start_position
         src, dst, compute, position = [], [], [], 0
         for piece in pieces:
-            # Looked up after the allocation, which may have evicted a source: that piece is computed.
-            entry = self.store.peek(self.namespace, piece.source) if piece.source is not None else None
             here = list(range(position, position + len(piece.tokens)))
-            if entry is None:
+            local = torch.arange(len(piece.tokens), device=device) + piece.offset
+            # Keys rotate from where the KV was computed (a stored segment at the canonical positions,
+            # the canonical context at its own) to `here`.
+            if piece.canonical:
+                blocks, shift = self.store.context_blocks, 0
+            else:
+                # Looked up after the allocation, which may have evicted a source: that piece is computed.
+                entry = self.store.peek(self.namespace, piece.source) if piece.source is not None else None
+                blocks, shift = (entry.blocks if entry else None), start
+            if blocks is None:
                 compute += here
             else:
-                local = torch.arange(len(piece.tokens), device=device) + piece.offset
-                src.append((self.pool.slots(entry.blocks, local), torch.tensor(here, device=device) - local))
+                delta = torch.tensor(here, device=device) - local - shift
+                src.append((self.pool.slots(blocks, local), delta))
                 dst += here
             position += len(piece.tokens)
         if src:
             slots, delta = (torch.cat(parts) for parts in zip(*src, strict=True))
             target = self.pool.slots(self._blocks, torch.tensor(dst, device=device))
-            move_kv(self.pool, self.cfg, self.freqs, slots, target, delta - start)
+            move_kv(self.pool, self.cfg, self.freqs, slots, target, delta)
         compute += range(position, len(sequence))
         self.store.stats.sampled_tokens += len(compute)
         return PrefillWork(
@@ -209,10 +253,10 @@ def sample_context(
     store: SegmentStore, namespace: Hashable, tokens: tuple[int, ...], index: int
 ) -> list[ContextPiece]:
     """A context as long as the canonical one, to compute `tokens` after: the canonical context's first
-    token (BOS), then the ends of other stored segments of the namespace in an order drawn from
-    (index, tokens), with the end of the canonical context's text before them where they are too few.
-    Empty when the store has no canonical context (a model without a tokenizer: segments start at
-    position 0)."""
+    tokens (BOS, then as much of its text as the other segments leave room for: a prefix of the
+    canonical context, whose KV the store may hold), then the ends of other stored segments of the
+    namespace in an order drawn from (index, tokens). Empty when the store has no canonical context (a
+    model without a tokenizer: segments start at position 0)."""
     context = store.context
     if not context:
         return []
@@ -226,7 +270,4 @@ def sample_context(
         pieces.append(ContextPiece(other[len(other) - take :], other, len(other) - take))
         remaining -= take
     pieces.reverse()  # the first drawn ends the context, the last may be cut at its front
-    head = [ContextPiece(context[:1])]
-    if remaining:
-        head.append(ContextPiece(context[len(context) - remaining :]))
-    return head + pieces
+    return [ContextPiece(context[: 1 + remaining], canonical=True), *pieces]
