@@ -88,6 +88,13 @@ class EngineConfig:
         "after n - 1 more contexts made of other stored segments, as background work (1: off)",
         default=4,
     )
+    segment_lead_kv: bool = _opt(
+        "also keep each stored segment's KV computed at the start of a prompt (after the first token "
+        "alone), as background work, and splice it where a prompt starts with the segment: there its "
+        "KV computed after other content is furthest from a full prefill's; the store then holds two "
+        "copies of each segment's KV; --no-segment-lead-kv turns it off",
+        default=True,
+    )
     auto_segments: bool = _opt(
         "reuse without markup: find spans a prompt shares with earlier prompts (RAG passages, re-sent "
         "tool outputs) and splice them like marked segments; --no-auto-segments turns it off",

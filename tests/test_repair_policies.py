@@ -281,7 +281,9 @@ def test_leads_choice_is_the_oracles_and_nested_in_its_budget(case, data) -> Non
     from kvsplice.repair.query import LEAD_SHARE, lead_choice
 
     n, prefix, segments = case
-    plan = make_plan(n, prefix, segments)
+    # The first segment spliced from its lead KV (computed at a prompt's start) does not lead.
+    lead_kv = data.draw(st.booleans())
+    plan = make_plan(n, prefix, segments, lead_kv=frozenset({0} if lead_kv else ()))
     spliced = plan.positions(SpanKind.SPLICED)
     if not spliced:
         return
@@ -291,7 +293,7 @@ def test_leads_choice_is_the_oracles_and_nested_in_its_budget(case, data) -> Non
     earlier: set[int] = set()
     for budget in range(len(spliced) + 1):
         led: list[int] = []
-        if first.segment == 0:
+        if first.segment == 0 and not lead_kv:
             own = sorted(range(first.start, first.end), key=lambda p: -score[p])
             led = own[: int(LEAD_SHARE * budget)]
         rest = sorted((p for p in spliced if p not in led), key=lambda p: -score[p])

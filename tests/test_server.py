@@ -294,6 +294,8 @@ def test_metrics_names(server: ServerThread, client: openai.OpenAI, model: str) 
         "kvsplice:segment_store_entries",
         "kvsplice:segment_store_context_tokens_total",
         "kvsplice:segment_store_contexts_dropped_total",
+        "kvsplice:segment_store_lead_tokens_total",
+        "kvsplice:segment_store_lead_hit_tokens_total",
     ]:
         assert name in m, name
     assert m["vllm:prompt_tokens_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] > 0

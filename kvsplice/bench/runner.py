@@ -152,8 +152,10 @@ class _Run:
             context = length // bs if self.tokenizer else 0
             longest = max((cache[text] for text in docs), default=0)
             sample = context + -(-longest // bs) + 1 if context and e.segment_contexts > 1 else 0
-            need[SPLICE_ENGINE] = num_splice * (sum(requests) + doc_blocks) + context + sample + 1
-            floor[SPLICE_ENGINE] = max(requests) + num_splice * doc_blocks + context + sample + 1
+            # With lead KV the store holds two copies of each segment's KV.
+            stored = doc_blocks * (2 if e.segment_lead_kv and context else 1)
+            need[SPLICE_ENGINE] = num_splice * (sum(requests) + stored) + context + sample + 1
+            floor[SPLICE_ENGINE] = max(requests) + num_splice * stored + context + sample + 1
         cap = int(self.config.kv_cache_gb * GIB // self.block_bytes)
         blocks = split_pools(need, floor, cap)
         cut = [k for k in need if blocks[k] < need[k]]

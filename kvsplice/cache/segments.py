@@ -41,6 +41,11 @@ class SegmentEntry:
     last_access: float = field(default_factory=time.monotonic)
     # How many contexts the stored KV is the mean over (EngineConfig.segment_contexts).
     contexts: int = 1
+    # The segment computed right after a prompt's head alone, as where a prompt starts with it
+    # (EngineConfig.segment_lead_kv): token j at slot len(lead_head) + j of these blocks, at that
+    # position (the head's own KV is in the slots before). None until computed.
+    lead_blocks: list[int] | None = None
+    lead_head: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +61,9 @@ class SegmentStoreStats:
     evictions: int = 0
     # Tokens computed to give stored segments more contexts (background work, store_fill.ContextSample).
     sampled_tokens: int = 0
+    # Tokens computed for stored segments' lead KV (store_fill.LeadFill), and spliced from it.
+    lead_tokens: int = 0
+    lead_hit_tokens: int = 0
 
 
 class StoreWatcher(Protocol):
@@ -156,6 +164,8 @@ class SegmentStore:
         entry = self._entries.pop(key)
         self.stats.evictions += 1
         self.allocator.decref(reversed(entry.blocks))
+        if entry.lead_blocks is not None:
+            self.allocator.decref(reversed(entry.lead_blocks))
         for watcher in self._watchers:
             watcher.evicted(*key)
 

@@ -41,7 +41,7 @@ from kvsplice.prompt import Prompt, parse_prompt
 from kvsplice.reuse.discover import SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
 from kvsplice.reuse.plan import SpanKind
-from kvsplice.reuse.prefill import Prefill, ReusePath
+from kvsplice.reuse.prefill import Prefill, ReusePath, lead_head
 from kvsplice.sampling import SamplingParams, sample
 from kvsplice.store import KVEventPublisher, TieredStore
 from kvsplice.store.recorder import KVEventRecorder
@@ -118,7 +118,13 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.store_work = StoreWork(
-            self.segment_store, self.pool, self.runner, self.lower, config.segment_kv, config.segment_contexts
+            self.segment_store,
+            self.pool,
+            self.runner,
+            self.lower,
+            config.segment_kv,
+            config.segment_contexts,
+            config.segment_lead_kv,
         )
         # Prompts for the span finder to index (their KV now computed), at the start of the next step.
         self._to_index: list[tuple[Hashable, tuple[int, ...]]] = []
@@ -304,7 +310,7 @@ class Engine:
                 exact = prefill.exact_until
                 kept = len(prompt.token_ids) if exact is None else exact
             self._to_index.append((request.namespace, prompt.token_ids[:kept]))
-        self.store_work.queue(request.namespace, request.seq.block_table, prefill)
+        self.store_work.queue(request.namespace, request.seq.block_table, prefill, lead_head(request.prompt))
 
     def _index_prompts(self) -> None:
         """Index the prompts of finished prefills for the span finder (milliseconds)."""

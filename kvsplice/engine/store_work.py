@@ -7,8 +7,9 @@
                                              of milliseconds each), and let go of the blocks held for them
     fill(tokens)                             one chunk of the segments computed again on their own
                                              (segment_kv="canonical"), or of a stored segment computed
-                                             after another context (segment_contexts > 1), or of the
-                                             canonical context (once, before the first such sample)
+                                             after another context (segment_contexts > 1) or at a
+                                             prompt's start (segment_lead_kv), or of the canonical
+                                             context (once, before the first context sample)
 
 None of it runs in a step with a prefill in it or a request waiting (the scheduler leaves no
 background budget there), so no first token waits for another request's store work. A request
@@ -29,10 +30,16 @@ from kvsplice.kv.pool import KVPool
 from kvsplice.models.runner import ModelRunner
 from kvsplice.reuse.lower_tiers import LowerTiers
 from kvsplice.reuse.prefill import MissedSegment, PendingKV, Prefill
-from kvsplice.reuse.store_fill import CanonicalContextFill, ContextSample, StoreFill, capture_in_place
+from kvsplice.reuse.store_fill import (
+    CanonicalContextFill,
+    ContextSample,
+    LeadFill,
+    StoreFill,
+    capture_in_place,
+)
 from kvsplice.reuse.work import PrefillWork
 
-Fill = StoreFill | ContextSample | CanonicalContextFill
+Fill = StoreFill | ContextSample | CanonicalContextFill | LeadFill
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ class _Copy:
     blocks: list[int]
     segment: MissedSegment
     release: bool
+    # The head of the prompt that carried it, for its lead KV (prefill.lead_head).
+    head: tuple[int, ...]
 
 
 class StoreWork:
@@ -56,6 +65,7 @@ class StoreWork:
         lower: LowerTiers | None,
         segment_kv: str,
         segment_contexts: int = 1,
+        segment_lead_kv: bool = False,
     ) -> None:
         self.store = store
         self.pool = pool
@@ -63,6 +73,7 @@ class StoreWork:
         self.lower = lower
         self.segment_kv = segment_kv
         self.segment_contexts = segment_contexts
+        self.segment_lead_kv = segment_lead_kv
         self._copies: deque[_Copy] = deque()
         # Segments to compute on their own and store, or after another context, or the canonical
         # context; the one being computed.
@@ -70,6 +81,7 @@ class StoreWork:
         self._filling: tuple[Fill, PrefillWork] | None = None
         self.fills_dropped = 0
         self.samples_dropped = 0
+        self.leads_dropped = 0
 
     @property
     def busy(self) -> bool:
@@ -80,11 +92,19 @@ class StoreWork:
         """Queued copies hold blocks that copy() gives back."""
         return bool(self._copies)
 
-    def queue(self, namespace: Hashable, block_table: list[int], prefill: Prefill) -> None:
-        """The store work a finished prefill leaves: its borrowed spans and missed segments."""
+    def queue(
+        self, namespace: Hashable, block_table: list[int], prefill: Prefill, head: tuple[int, ...] = ()
+    ) -> None:
+        """The store work a finished prefill leaves: its borrowed spans and missed segments, and the lead
+        KV of segments promoted from the tiers below (which hold the mean KV only). `head`: the prompt's
+        head, which the lead KV of its segments is computed after (prefill.lead_head; empty: BOS)."""
+        for promoted in prefill.promoted:
+            self._lead(promoted.namespace, promoted.tokens, head)
         for b in prefill.borrowed:
             # Copied from the earlier prompt's KV, whose blocks the prefill has held since it was planned.
-            self._copies.append(_Copy(namespace, b.blocks, MissedSegment(b.tokens, b.start), release=True))
+            self._copies.append(
+                _Copy(namespace, b.blocks, MissedSegment(b.tokens, b.start), release=True, head=head)
+            )
         if not prefill.missed:
             return
         if self.segment_kv == "prompt":
@@ -94,11 +114,12 @@ class StoreWork:
             blocks = block_table[: -(-last // self.pool.block_size)]
             self.pool.allocator.incref(blocks)
             for i, missed in enumerate(prefill.missed):
-                self._copies.append(_Copy(namespace, blocks, missed, release=i == len(prefill.missed) - 1))
+                release = i == len(prefill.missed) - 1
+                self._copies.append(_Copy(namespace, blocks, missed, release, head))
             return
         for missed in prefill.missed:
             self._fills.append(
-                StoreFill(self.store, self.pool, self.runner.num_layers, namespace, missed.tokens)
+                StoreFill(self.store, self.pool, self.runner.num_layers, namespace, missed.tokens, head)
             )
 
     def pending(self, namespace: Hashable, tokens: tuple[int, ...]) -> PendingKV | None:
@@ -120,7 +141,7 @@ class StoreWork:
                 self.store, self.pool, runner.cfg, runner.freqs, c.namespace, m.tokens, c.blocks, m.start
             )
             if captured:
-                self._stored(c.namespace, m.tokens)
+                self._stored(c.namespace, m.tokens, c.head)
             if c.release:
                 self.pool.allocator.decref(reversed(c.blocks))
             done += 1
@@ -132,7 +153,9 @@ class StoreWork:
             fill = self._fills.popleft()
             work = fill.start()
             if work is None:
-                if isinstance(fill, ContextSample):
+                if isinstance(fill, LeadFill):
+                    self.leads_dropped += self.store.contains(fill.namespace, fill.tokens)
+                elif isinstance(fill, ContextSample):
                     self.samples_dropped += 1
                     self._sampled(fill)
                 elif isinstance(fill, StoreFill):
@@ -150,11 +173,12 @@ class StoreWork:
             if isinstance(fill, ContextSample):
                 self._sampled(fill)
             elif isinstance(fill, StoreFill):
-                self._stored(fill.namespace, fill.tokens)
+                self._stored(fill.namespace, fill.tokens, fill.head)
 
-    def _stored(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
-        """A segment entered the store: queue its other contexts, or, with none to come, write it to the
-        tiers below."""
+    def _stored(self, namespace: Hashable, tokens: tuple[int, ...], head: tuple[int, ...]) -> None:
+        """A segment entered the store: queue its lead KV and its other contexts, or, with no context to
+        come, write it to the tiers below (which hold the mean KV only, not the lead KV)."""
+        self._lead(namespace, tokens, head)
         if self.segment_contexts == 1 or not self.store.context:
             # Without a canonical context (a model without a tokenizer) there is no context to vary.
             self._write_through(namespace, tokens)
@@ -170,6 +194,16 @@ class StoreWork:
                 ContextSample(
                     self.store, self.pool, self.runner.cfg, self.runner.freqs, namespace, tokens, index
                 )
+            )
+
+    def _lead(self, namespace: Hashable, tokens: tuple[int, ...], head: tuple[int, ...]) -> None:
+        """Queue a stored segment's lead KV, computed after `head` (empty: the canonical context's first
+        token, BOS), where the engine keeps lead KV and the store has a context (a model with a
+        tokenizer)."""
+        if self.segment_lead_kv and self.store.context:
+            head = head or self.store.context[:1]
+            self._fills.append(
+                LeadFill(self.store, self.pool, self.runner.num_layers, namespace, tokens, head)
             )
 
     def write_unsampled(self) -> None:

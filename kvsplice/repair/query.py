@@ -129,7 +129,9 @@ class LeadQueryRepair(QueryRepair):
 
     Only the prompt's first segment leads. Where the prefix cache already gave it (an earlier request
     that started with the same segment, under segment keys, whose KV this policy had recomputed), the
-    first spliced segment follows it, as in any other place, and the question alone ranks."""
+    first spliced segment follows it, as in any other place, and the question alone ranks; so it does
+    where the first segment is spliced from its lead KV (EngineConfig.segment_lead_kv) computed after
+    the same head, which is a full prefill's KV."""
 
     name = "lead"
 
@@ -144,7 +146,7 @@ def lead_choice(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]
     segment's share, budget // 2, only grows; the rest are the best remaining by score)."""
     score = score.clone()
     first = plan.spliced()[0]
-    if first.segment == 0:
+    if first.segment == 0 and not first.lead_kv:
         part = score[first.start : first.end]
         lead = part.topk(min(len(part), int(LEAD_SHARE * budget))).indices + first.start
         # Above every other token (attention mass is finite and >= 0), in the question's order.

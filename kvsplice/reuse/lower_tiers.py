@@ -40,6 +40,8 @@ class Promotion:
     num_tokens: int
     tier: str
     load_s: float
+    namespace: Hashable
+    tokens: tuple[int, ...]
 
 
 class LowerTiers:
@@ -69,7 +71,7 @@ class LowerTiers:
             assert layer is not None
             self.pool.write(i, slots, layer.k.to(self.pool.device), layer.v.to(self.pool.device))
         self.segments.insert(namespace, tokens, blocks)
-        return Promotion(n, hit.tier, hit.load_s)
+        return Promotion(n, hit.tier, hit.load_s, namespace, tokens)
 
     def write_through(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
         """Put a segment the pool's store holds to the tiers below; returns at once."""

@@ -28,6 +28,9 @@ class Span:
     segment_offset: int = 0
     # For SPLICED spans: the segment was found without markup (reuse/discover.py), not marked.
     discovered: bool = False
+    # For SPLICED spans: the KV is the segment's lead KV computed after the very tokens before it here,
+    # so it is a full prefill's (reuse/prefill.py).
+    lead_kv: bool = False
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -87,11 +90,13 @@ def make_plan(
     discovered: frozenset[int] = frozenset(),
     question_from: int = 0,
     head: int = 0,
+    lead_kv: frozenset[int] = frozenset(),
 ) -> Plan:
     """segments: (start, end, index) of each reused segment whose KV the store holds, in prompt order,
     not overlapping; `discovered`: the indices of those found without markup; `question_from`: where
     the prompt's last marked segment ends (capped at the last token); `head`: the first tokens of each
-    discovered segment that are computed instead (reuse/discover.py says why).
+    discovered segment that are computed instead (reuse/discover.py says why); `lead_kv`: the indices
+    of those whose KV is their lead KV computed after the prompt's own head.
 
     The exact prefix wins where it overlaps a segment; a segment is cut short before the last token.
     """
@@ -111,7 +116,15 @@ def make_plan(
         if lo > position:
             spans.append(Span(SpanKind.COMPUTE, position, lo))
         spans.append(
-            Span(SpanKind.SPLICED, lo, hi, index, segment_offset=lo - start, discovered=index in discovered)
+            Span(
+                SpanKind.SPLICED,
+                lo,
+                hi,
+                index,
+                segment_offset=lo - start,
+                discovered=index in discovered,
+                lead_kv=index in lead_kv,
+            )
         )
         position = hi
     spans.append(Span(SpanKind.COMPUTE, position, num_tokens))

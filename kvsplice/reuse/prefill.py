@@ -140,6 +140,20 @@ class BorrowedSpan:
     start: int
 
 
+# A marked segment that starts within this many tokens of the prompt's start (after an instruction, a
+# system line) is spliced from its lead KV where the store holds it (EngineConfig.segment_lead_kv),
+# computed after the head of the prompt that stored it: exact after the same head, and after another
+# one it misses only those few tokens, where the stored mean KV saw 1,024 tokens of other content.
+LEAD_HEAD_TOKENS = 64
+
+
+def lead_head(prompt: ParsedPrompt) -> tuple[int, ...]:
+    """The tokens before the prompt's first marked segment, which its segments' lead KV is computed
+    after; empty (BOS alone) where they are more than LEAD_HEAD_TOKENS or it marks none."""
+    start = prompt.segments[0].start if prompt.segments else 0
+    return prompt.token_ids[:start] if start <= LEAD_HEAD_TOKENS else ()
+
+
 class _KVSource(NamedTuple):
     """Where a reused segment's KV is: slots slot.. of `blocks`, computed at positions position.."""
 
@@ -223,13 +237,22 @@ class ReusePath:
         promoted = self._promote(namespace, list(wanted.values()))
         # Per reused segment: where its KV is.
         sources: dict[int, _KVSource] = {}
+        lead_kv: set[int] = set()
         available: list[tuple[int, int, int]] = []
         missed: list[MissedSegment] = []
         for index, tokens in wanted.items():
             span = prompt.segments[index]
             entry = self.store.lookup(namespace, tokens)
             queued = pending(namespace, tokens) if entry is None else None
-            if entry is not None:
+            if entry is not None and entry.lead_blocks is not None and span.start <= LEAD_HEAD_TOKENS:
+                # At the prompt's start: the KV computed there (after a prompt's head).
+                self.store.stats.lead_hit_tokens += len(tokens)
+                head = len(entry.lead_head)
+                sources[index] = _KVSource(entry.lead_blocks, head, head)
+                if entry.lead_head == prompt.token_ids[: span.start]:
+                    lead_kv.add(index)
+                available.append((span.start, span.end, index))
+            elif entry is not None:
                 sources[index] = _KVSource(entry.blocks, 0, self.store.start_position)
                 available.append((span.start, span.end, index))
             elif queued is not None:
@@ -271,7 +294,9 @@ class ReusePath:
             discovered = set(range(len(prompt.segments), index))
         last_segment = prompt.segments[-1].end if prompt.segments else 0
         head = self.finder.head_tokens if self.finder is not None else 0
-        plan = make_plan(n, prefix_hit, sorted(available), frozenset(discovered), last_segment, head)
+        plan = make_plan(
+            n, prefix_hit, sorted(available), frozenset(discovered), last_segment, head, frozenset(lead_kv)
+        )
         self._place(block_table, plan.spliced(), sources)
         policy = make_policy(settings.policy)
         if self.finder is not None and discovered and not policy.exact:

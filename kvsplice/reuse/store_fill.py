@@ -35,13 +35,21 @@ from kvsplice.reuse.work import Pass, PrefillWork
 
 class StoreFill:
     def __init__(
-        self, store: SegmentStore, pool: KVPool, num_layers: int, namespace: Hashable, tokens: tuple[int, ...]
+        self,
+        store: SegmentStore,
+        pool: KVPool,
+        num_layers: int,
+        namespace: Hashable,
+        tokens: tuple[int, ...],
+        head: tuple[int, ...] = (),
     ) -> None:
+        """head: the head of the prompt that missed the segment, for its lead KV (`LeadFill`)."""
         self.store = store
         self.pool = pool
         self.num_layers = num_layers
         self.namespace = namespace
         self.tokens = tokens
+        self.head = head
         self._blocks: list[int] = []
         self._with_context = False
 
@@ -134,6 +142,63 @@ class CanonicalContextFill:
     def finish(self) -> None:
         assert self.store.context_blocks is None, "the canonical context's KV is computed once"
         self.store.context_blocks = self._blocks
+
+
+class LeadFill:
+    """A stored segment's lead KV (SegmentEntry.lead_blocks): the segment computed right after `head`,
+    the head of the prompt that carried it (BOS and an instruction line, at most
+    prefill.LEAD_HEAD_TOKENS; BOS alone where it had none). Where a prompt starts with the segment after
+    the same head, that is the KV a full prefill computes there, and after another short head it is
+    nearly so, while the stored KV was computed after a long context; on the recall evaluation the
+    first document is where the stored KV is furthest from a full prefill's. Background work like
+    `StoreFill`."""
+
+    def __init__(
+        self,
+        store: SegmentStore,
+        pool: KVPool,
+        num_layers: int,
+        namespace: Hashable,
+        tokens: tuple[int, ...],
+        head: tuple[int, ...],
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.num_layers = num_layers
+        self.namespace = namespace
+        self.tokens = tokens
+        self.head = head
+        self._blocks: list[int] = []
+
+    def start(self) -> PrefillWork | None:
+        """Reserve the blocks and return the work; None when the entry is gone or has its lead KV, the
+        store has no context (a model without a tokenizer), or memory is short."""
+        entry = self.store.peek(self.namespace, self.tokens)
+        if entry is None or entry.lead_blocks is not None or not self.store.context:
+            return None
+        sequence = self.head + self.tokens
+        try:
+            self._blocks = self.pool.allocator.allocate(-(-len(sequence) // self.pool.block_size))
+        except OutOfBlocksError:
+            return None
+        self.store.stats.lead_tokens += len(sequence)
+        positions = tuple(range(len(sequence)))
+        return PrefillWork(
+            self._blocks,
+            sequence,
+            Pass(positions, range(self.num_layers)),
+            self.num_layers,
+            need_logits=False,
+        )
+
+    def finish(self) -> None:
+        """The entry takes the blocks, if it is still held; else they go back."""
+        entry = self.store.peek(self.namespace, self.tokens)
+        if entry is not None and entry.lead_blocks is None:
+            entry.lead_blocks, entry.lead_head = self._blocks, self.head
+        else:
+            self.pool.allocator.decref(reversed(self._blocks))
+        self._blocks = []
 
 
 @dataclass(frozen=True)

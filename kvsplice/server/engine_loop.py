@@ -57,6 +57,8 @@ class EngineStats:
     segment_fills_dropped: int = 0
     segment_sampled_tokens: int = 0
     segment_contexts_dropped: int = 0
+    segment_lead_tokens: int = 0
+    segment_lead_hit_tokens: int = 0
 
 
 @dataclass
@@ -292,4 +294,6 @@ class AsyncEngine:
             segment_fills_dropped=engine.store_work.fills_dropped,
             segment_sampled_tokens=segments.sampled_tokens,
             segment_contexts_dropped=engine.store_work.samples_dropped,
+            segment_lead_tokens=segments.lead_tokens,
+            segment_lead_hit_tokens=segments.lead_hit_tokens,
         )

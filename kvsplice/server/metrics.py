@@ -187,4 +187,14 @@ class _EngineCollector(Collector):
             "Extra contexts of stored segments not computed: the segment was gone or memory short",
             s.segment_contexts_dropped,
         )
+        yield counter(
+            "kvsplice:segment_store_lead_tokens",
+            "Tokens computed for stored segments' KV at a prompt's start (segment_lead_kv), background work",
+            s.segment_lead_tokens,
+        )
+        yield counter(
+            "kvsplice:segment_store_lead_hit_tokens",
+            "Segment tokens spliced from their KV at a prompt's start (segment_lead_kv)",
+            s.segment_lead_hit_tokens,
+        )
         yield gauge("kvsplice:segment_store_entries", "Segments stored", s.segment_entries)

@@ -1,0 +1,116 @@
+"""Lead KV (EngineConfig.segment_lead_kv): each stored segment's KV computed at a prompt's start, spliced
+where a prompt starts with the segment. On the default model, against plain prefills; without a model,
+the store gives the lead blocks back with the entry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsplice import LLM, SamplingParams, Segment
+from kvsplice.cache.segments import SegmentStore
+from kvsplice.kv.allocator import BlockAllocator
+from kvsplice.reuse.prefill import LEAD_HEAD_TOKENS
+
+DOC_A = (
+    "The Larkspur Observatory\nThe Larkspur Observatory stands on a ridge above the town of Emmerich. "
+    + ("It was founded by a society of amateur astronomers who pooled their savings to buy a telescope. " * 4)
+)
+DOC_B = (
+    "River Transport in the Valley\nBarges carried timber and ore down the Velde river for two centuries. "
+    + ("Each barge was towed by horses walking along a path beside the water. " * 4)
+)
+QUESTION = "Question: Who founded the Larkspur Observatory?\nAnswer:"
+HEAD = "Answer from the documents.\n\n"
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, return_first_logits=True)
+# Longer than LEAD_HEAD_TOKENS: a segment after it is spliced from its mean KV.
+LONG_HEAD = "Read the documents below with care, then answer the question that follows them. " * 6
+
+
+def _warm(**config) -> LLM:
+    """An engine whose store holds both documents, stored from a prompt that starts with HEAD, then
+    DOC_B: DOC_A's stored KV saw DOC_B before it."""
+    llm = LLM(prefix_cache="radix", auto_segments=False, repair="none", kv_cache_gb=0.5, **config)
+    llm.generate([[HEAD, Segment(DOC_B), Segment(DOC_A), QUESTION]], PARAMS)
+    while llm.engine.has_unfinished():  # the store work, after the request
+        llm.engine.step()
+    return llm
+
+
+@pytest.fixture(scope="module")
+def lead(default_model_dir) -> LLM:
+    return _warm()
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
+    return float(torch.sum(p.softmax(-1) * (p.log_softmax(-1) - q.log_softmax(-1))))
+
+
+@pytest.mark.slow
+def test_a_prompt_that_starts_with_a_segment_is_spliced_exactly(lead: LLM, llm: LLM) -> None:
+    store = lead.engine.segment_store
+    # BOS, then the head's own tokens.
+    head = (lead.tokenizer.bos_token_id, *lead.tokenizer.encode(HEAD))
+    assert all(entry.lead_head == head for entry in store._entries.values())
+    before = store.stats.lead_hit_tokens
+    # The same head, then the document: its lead KV is what a full prefill computes there, so without
+    # any repair the answer's distribution is the full prefill's.
+    got = lead.generate([[HEAD, Segment(DOC_A), QUESTION]], PARAMS)[0]
+    want = llm.generate([[HEAD, DOC_A, QUESTION]], PARAMS)[0]
+    assert got.metrics.segment_hit_tokens > 0
+    assert store.stats.lead_hit_tokens - before == got.metrics.segment_hit_tokens
+    torch.testing.assert_close(got.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)
+    assert got.token_ids == want.token_ids
+
+    # After another short head (BOS alone) the lead KV is off by the head it missed; still much
+    # closer than the mean KV, which saw 1,024 tokens of other content (an engine without lead KV).
+    prompt = [Segment(DOC_A), QUESTION]
+    full = llm.generate([[DOC_A, QUESTION]], PARAMS)[0].first_logits
+    with_lead = _kl(full, lead.generate([prompt], PARAMS)[0].first_logits)
+    assert store.stats.lead_hit_tokens > before + got.metrics.segment_hit_tokens
+    without = _warm(segment_lead_kv=False)
+    assert not any(e.lead_blocks for e in without.engine.segment_store._entries.values())
+    mean_kv = _kl(full, without.generate([prompt], PARAMS)[0].first_logits)
+    assert with_lead < mean_kv / 2, (with_lead, mean_kv)
+
+
+@pytest.mark.slow
+def test_a_segment_after_a_long_head_is_spliced_from_its_mean_kv(lead: LLM) -> None:
+    store = lead.engine.segment_store
+    assert len(lead.tokenizer.encode(LONG_HEAD)) > LEAD_HEAD_TOKENS
+    before = store.stats.lead_hit_tokens
+    out = lead.generate([[LONG_HEAD, Segment(DOC_A), QUESTION]], PARAMS)[0]
+    assert out.metrics.segment_hit_tokens > 0
+    assert store.stats.lead_hit_tokens == before
+
+
+def test_an_evicted_entry_gives_its_lead_blocks_back() -> None:
+    allocator = BlockAllocator(16, 4)
+    store = SegmentStore(allocator, ())
+    store.insert("ns", (1, 2, 3, 4, 5), allocator.allocate(2))
+    entry = store.peek("ns", (1, 2, 3, 4, 5))
+    assert entry is not None
+    entry.lead_blocks = allocator.allocate(2)
+    assert allocator.num_free == 12
+    store.clear()
+    assert allocator.num_free == 16 and len(store) == 0
+    allocator.check_invariants()
+
+
+@pytest.mark.slow
+def test_a_segment_promoted_from_disk_gets_its_lead_kv(default_model_dir, tmp_path, llm: LLM) -> None:
+    store_dir = str(tmp_path / "store")
+    first = _warm(store_dir=store_dir)
+    first.close()
+    # The tiers below hold the mean KV only: a fresh engine computes the lead KV after the promotion.
+    fresh = LLM(prefix_cache="off", auto_segments=False, repair="none", kv_cache_gb=0.5, store_dir=store_dir)
+    promoted = fresh.generate([[Segment(DOC_A), QUESTION]], PARAMS)[0]
+    assert promoted.metrics.store_hit_tokens == {"disk": promoted.metrics.segment_hit_tokens}
+    assert fresh.engine.segment_store.stats.lead_hit_tokens == 0
+    while fresh.engine.has_unfinished():
+        fresh.engine.step()
+    got = fresh.generate([[Segment(DOC_A), QUESTION]], PARAMS)[0]
+    assert fresh.engine.segment_store.stats.lead_hit_tokens == got.metrics.segment_hit_tokens > 0
+    want = llm.generate([[DOC_A, QUESTION]], PARAMS)[0]
+    torch.testing.assert_close(got.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)
+    fresh.close()
