@@ -89,10 +89,11 @@ class EngineConfig:
         default=4,
     )
     segment_lead_kv: bool = _opt(
-        "also keep each stored segment's KV computed at the start of a prompt (after the first token "
-        "alone), as background work, and splice it where a prompt starts with the segment: there its "
-        "KV computed after other content is furthest from a full prefill's; the store then holds two "
-        "copies of each segment's KV; --no-segment-lead-kv turns it off",
+        "also keep each stored segment's KV computed at the start of a prompt (after the head of the "
+        "prompt that carried it: BOS and up to 64 tokens of instruction), as background work, and "
+        "splice it where a prompt starts with the segment: there the KV computed after other content "
+        "is furthest from a full prefill's, and after the same head the lead KV is a full prefill's; "
+        "the store then holds two copies of each segment's KV; --no-segment-lead-kv turns it off",
         default=True,
     )
     auto_segments: bool = _opt(

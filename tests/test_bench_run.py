@@ -138,6 +138,7 @@ def test_default_model_rag_smoke(tmp_path: Path) -> None:
     assert by["splice:none@0"].computed_frac < 0.2  # type: ignore[operator]
     # The pools are sized for everything the run writes, 1,024-token contexts and their samples too.
     assert not [n for n in result.notes if "evicted" in n], result.notes
+    assert any(n.startswith("segment_lead_kv: the segment store computed") for n in result.notes)
     assert result.model is not None and result.model.has_tokenizer
     assert "| splice:none@0 | 1/1 |" in write_report(result, tmp_path)
 

@@ -325,6 +325,22 @@ class _Run:
             f"measured requests' prompt tokens; {engine.store_work.samples_dropped} contexts dropped"
         )
 
+    def note_lead_kv(self, records: list[RequestRecord]) -> None:
+        """What keeping stored segments' lead KV cost and how much of it was spliced (segment_lead_kv)."""
+        splice = self.engines.get(SPLICE_ENGINE)
+        if splice is None or splice.llm is None or not self.config.engine.segment_lead_kv:
+            return
+        stats = splice.llm.engine.segment_store.stats
+        if not stats.lead_tokens:
+            return
+        prompts = sum(r.prompt_tokens for r in records if not r.warmup)
+        self.notes.append(
+            f"segment_lead_kv: the segment store computed {stats.lead_tokens:,} tokens for segments' KV "
+            f"at a prompt's start ({stats.lead_tokens / max(1, prompts):.0%} of the measured requests' "
+            f"prompt tokens) and spliced {stats.lead_hit_tokens:,} tokens from it, warm-ups included; "
+            f"{splice.llm.engine.store_work.leads_dropped} dropped"
+        )
+
 
 def split_pools(need: dict[str, int], floor: dict[str, int], cap: int) -> dict[str, int]:
     """Blocks per engine within `cap`: every engine its need if that fits; else the single-system
@@ -374,6 +390,7 @@ def run_bench(config: BenchConfig, workload: Workload | None = None) -> BenchRes
     records = run.run()
     run.check_evictions()
     run.note_store_contexts(records)
+    run.note_lead_kv(records)
     tier_stats = run.close()
     if config.skip_warmup:
         run.notes.append("warm-up requests not sent (--skip-warmup): shared content was new to every pool")
