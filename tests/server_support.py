@@ -34,11 +34,17 @@ def metrics(server: ServerThread) -> dict[str, float]:
 
 
 def wait_idle(server: ServerThread, timeout_s: float = 60) -> dict[str, float]:
-    """/metrics once no request runs or waits and no block is held by a request."""
+    """/metrics once no request runs or waits, no block is held by a request and the store's background
+    work is done (it takes and gives back blocks)."""
     deadline = time.monotonic() + timeout_s
     while True:
         m = metrics(server)
-        if m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0:
+        if (
+            m["vllm:num_requests_running"]
+            == m["vllm:num_requests_waiting"]
+            == m["kvsplice:segment_store_work_queued"]
+            == 0
+        ):
             assert m["kvsplice:kv_cache_request_blocks"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
             return m
         assert time.monotonic() < deadline, f"engine not idle: {m}"

@@ -292,6 +292,7 @@ def test_metrics_names(server: ServerThread, client: openai.OpenAI, model: str) 
         "kvsplice:discovered_hit_tokens_total",
         "kvsplice:recomputed_tokens_total",
         "kvsplice:segment_store_entries",
+        "kvsplice:segment_store_work_queued",
         "kvsplice:segment_store_context_tokens_total",
         "kvsplice:segment_store_contexts_dropped_total",
         "kvsplice:segment_store_lead_tokens_total",

@@ -88,6 +88,11 @@ class StoreWork:
         return bool(self._copies or self._fills) or self._filling is not None
 
     @property
+    def queued(self) -> int:
+        """Store jobs not done yet: copies, fills and samples queued, and the one being computed."""
+        return len(self._copies) + len(self._fills) + (self._filling is not None)
+
+    @property
     def holds_blocks(self) -> bool:
         """Queued copies hold blocks that copy() gives back."""
         return bool(self._copies)

@@ -198,3 +198,8 @@ class _EngineCollector(Collector):
             s.segment_lead_hit_tokens,
         )
         yield gauge("kvsplice:segment_store_entries", "Segments stored", s.segment_entries)
+        yield gauge(
+            "kvsplice:segment_store_work_queued",
+            "Store jobs (copies, fills, contexts, lead KV) not done yet: background work to come",
+            s.store_work_queued,
+        )
