@@ -32,6 +32,7 @@ from tqdm import tqdm
 from kvsplice.bench.base import BenchRequest, Workload, WorkloadSpec
 from kvsplice.bench.metrics import RequestRecord, compare, is_correct, per_turn, summarize
 from kvsplice.bench.results import BenchResult, MachineInfo, ModelInfo, load_average
+from kvsplice.bench.store_notes import store_notes
 from kvsplice.bench.systems import (
     DEFAULT_BUDGETS,
     REFERENCE,
@@ -304,42 +305,12 @@ class _Run:
             self.notes.append(
                 f"the {key} engine's radix tree evicted entries while admitting {count} requests"
             )
+
+    def note_store(self, records: list[RequestRecord]) -> None:
+        """What the shared splice engine's segment store evicted and what its background work cost."""
         splice = self.engines.get(SPLICE_ENGINE)
         if splice is not None and splice.llm is not None:
-            evictions = splice.llm.engine.segment_store.stats.evictions
-            if evictions:
-                self.notes.append(f"the shared splice engine's segment store evicted {evictions} entries")
-
-    def note_store_contexts(self, records: list[RequestRecord]) -> None:
-        """What giving stored segments more contexts cost (segment_contexts > 1), warm-up included: it
-        runs after the requests that bring a segment, often unmeasured warm-ups."""
-        splice = self.engines.get(SPLICE_ENGINE)
-        if splice is None or splice.llm is None or self.config.engine.segment_contexts == 1:
-            return
-        engine = splice.llm.engine
-        prompts = {r.request_id: r.prompt_tokens for r in records if not r.warmup}
-        self.notes.append(
-            f"segment_contexts={self.config.engine.segment_contexts}: the segment store computed "
-            f"{engine.segment_store.stats.sampled_tokens:,} tokens to give segments more contexts, "
-            f"{engine.segment_store.stats.sampled_tokens / max(1, sum(prompts.values())):.0%} of the "
-            f"measured requests' prompt tokens; {engine.store_work.samples_dropped} contexts dropped"
-        )
-
-    def note_lead_kv(self, records: list[RequestRecord]) -> None:
-        """What keeping stored segments' lead KV cost and how much of it was spliced (segment_lead_kv)."""
-        splice = self.engines.get(SPLICE_ENGINE)
-        if splice is None or splice.llm is None or not self.config.engine.segment_lead_kv:
-            return
-        stats = splice.llm.engine.segment_store.stats
-        if not stats.lead_tokens:
-            return
-        prompts = sum(r.prompt_tokens for r in records if not r.warmup)
-        self.notes.append(
-            f"segment_lead_kv: the segment store computed {stats.lead_tokens:,} tokens for segments' KV "
-            f"at a prompt's start ({stats.lead_tokens / max(1, prompts):.0%} of the measured requests' "
-            f"prompt tokens) and spliced {stats.lead_hit_tokens:,} tokens from it, warm-ups included; "
-            f"{splice.llm.engine.store_work.leads_dropped} dropped"
-        )
+            self.notes += store_notes(splice.llm.engine, self.config.engine, records)
 
 
 def split_pools(need: dict[str, int], floor: dict[str, int], cap: int) -> dict[str, int]:
@@ -389,8 +360,7 @@ def run_bench(config: BenchConfig, workload: Workload | None = None) -> BenchRes
     machine = dataclasses.replace(machine, torch_threads=torch.get_num_threads())
     records = run.run()
     run.check_evictions()
-    run.note_store_contexts(records)
-    run.note_lead_kv(records)
+    run.note_store(records)
     tier_stats = run.close()
     if config.skip_warmup:
         run.notes.append("warm-up requests not sent (--skip-warmup): shared content was new to every pool")
