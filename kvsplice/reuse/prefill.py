@@ -244,16 +244,16 @@ class ReusePath:
             span = prompt.segments[index]
             entry = self.store.lookup(namespace, tokens)
             queued = pending(namespace, tokens) if entry is None else None
-            if entry is not None and entry.lead_blocks is not None and span.start <= LEAD_HEAD_TOKENS:
-                # At the prompt's start: the KV computed there (after a prompt's head).
-                self.store.stats.lead_hit_tokens += len(tokens)
-                head = len(entry.lead_head)
-                sources[index] = _KVSource(entry.lead_blocks, head, head)
-                if entry.lead_head == prompt.token_ids[: span.start]:
-                    lead_kv.add(index)
-                available.append((span.start, span.end, index))
-            elif entry is not None:
-                sources[index] = _KVSource(entry.blocks, 0, self.store.start_position)
+            if entry is not None:
+                if entry.lead_blocks is not None and span.start <= LEAD_HEAD_TOKENS:
+                    # At the prompt's start: the KV computed there (after a prompt's head).
+                    self.store.stats.lead_hit_tokens += len(tokens)
+                    head = len(entry.lead_head)
+                    sources[index] = _KVSource(entry.lead_blocks, head, head)
+                    if entry.lead_head == prompt.token_ids[: span.start]:
+                        lead_kv.add(index)
+                else:
+                    sources[index] = _KVSource(entry.blocks, 0, self.store.start_position)
                 available.append((span.start, span.end, index))
             elif queued is not None:
                 self.store.count_queued_hit(tokens)

@@ -111,6 +111,21 @@ def capture_in_place(
     return True
 
 
+def _whole_sequence(
+    pool: KVPool, sequence: tuple[int, ...], num_layers: int
+) -> tuple[list[int], PrefillWork] | None:
+    """Fresh blocks for `sequence` and the work that computes all of it from position 0 through every
+    layer; None when memory is short."""
+    try:
+        blocks = pool.allocator.allocate(-(-len(sequence) // pool.block_size))
+    except OutOfBlocksError:
+        return None
+    positions = tuple(range(len(sequence)))
+    return blocks, PrefillWork(
+        blocks, sequence, Pass(positions, range(num_layers)), num_layers, need_logits=False
+    )
+
+
 class CanonicalContextFill:
     """The canonical context's KV, computed once and held by the store for good. A context sample
     starts with the canonical context's first tokens (all of them while the store holds few other
@@ -126,18 +141,14 @@ class CanonicalContextFill:
     def start(self) -> PrefillWork | None:
         """Reserve the context's blocks and return its work; None when the store holds it already or
         memory is short (the samples then compute their canonical text)."""
-        context = self.store.context
         if self.store.context_blocks is not None:
             return None
-        try:
-            self._blocks = self.pool.allocator.allocate(len(context) // self.pool.block_size)
-        except OutOfBlocksError:
+        whole = _whole_sequence(self.pool, self.store.context, self.num_layers)
+        if whole is None:
             return None
-        self.store.stats.sampled_tokens += len(context)
-        positions = tuple(range(len(context)))
-        return PrefillWork(
-            self._blocks, context, Pass(positions, range(self.num_layers)), self.num_layers, need_logits=False
-        )
+        self._blocks, work = whole
+        self.store.stats.sampled_tokens += len(self.store.context)
+        return work
 
     def finish(self) -> None:
         assert self.store.context_blocks is None, "the canonical context's KV is computed once"
@@ -177,19 +188,12 @@ class LeadFill:
         if entry is None or entry.lead_blocks is not None or not self.store.context:
             return None
         sequence = self.head + self.tokens
-        try:
-            self._blocks = self.pool.allocator.allocate(-(-len(sequence) // self.pool.block_size))
-        except OutOfBlocksError:
+        whole = _whole_sequence(self.pool, sequence, self.num_layers)
+        if whole is None:
             return None
+        self._blocks, work = whole
         self.store.stats.lead_tokens += len(sequence)
-        positions = tuple(range(len(sequence)))
-        return PrefillWork(
-            self._blocks,
-            sequence,
-            Pass(positions, range(self.num_layers)),
-            self.num_layers,
-            need_logits=False,
-        )
+        return work
 
     def finish(self) -> None:
         """The entry takes the blocks, if it is still held; else they go back."""
