@@ -139,6 +139,11 @@ def test_default_model_rag_smoke(tmp_path: Path) -> None:
     # The pools are sized for everything the run writes, 1,024-token contexts and their samples too.
     assert not [n for n in result.notes if "evicted" in n], result.notes
     assert any(n.startswith("segment_lead_kv: the segment store computed") for n in result.notes)
+    # The measured request opens with a document a warm-up carried after the same instruction: its
+    # lead KV is exact, and counted per request.
+    spliced = [r for r in result.records if r.system.startswith("splice:") and not r.warmup]
+    assert all(0 < r.segment_lead_tokens < r.segment_hit_tokens for r in spliced), spliced
+    assert any("were spliced from lead KV" in n for n in result.notes), result.notes
     assert result.model is not None and result.model.has_tokenizer
     assert "| splice:none@0 | 1/1 |" in write_report(result, tmp_path)
 

@@ -59,6 +59,7 @@ def test_a_prompt_that_starts_with_a_segment_is_spliced_exactly(lead: LLM, llm: 
     want = llm.generate([[HEAD, DOC_A, QUESTION]], PARAMS)[0]
     assert got.metrics.segment_hit_tokens > 0
     assert store.stats.lead_hit_tokens - before == got.metrics.segment_hit_tokens
+    assert got.metrics.segment_lead_tokens == got.metrics.segment_hit_tokens
     torch.testing.assert_close(got.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)
     assert got.token_ids == want.token_ids
 
@@ -66,8 +67,11 @@ def test_a_prompt_that_starts_with_a_segment_is_spliced_exactly(lead: LLM, llm: 
     # closer than the mean KV, which saw 1,024 tokens of other content (an engine without lead KV).
     prompt = [Segment(DOC_A), QUESTION]
     full = llm.generate([[DOC_A, QUESTION]], PARAMS)[0].first_logits
-    with_lead = _kl(full, lead.generate([prompt], PARAMS)[0].first_logits)
+    other_head = lead.generate([prompt], PARAMS)[0]
+    with_lead = _kl(full, other_head.first_logits)
     assert store.stats.lead_hit_tokens > before + got.metrics.segment_hit_tokens
+    # Spliced from lead KV, but not a full prefill's: not counted as exact.
+    assert other_head.metrics.segment_hit_tokens > 0 and other_head.metrics.segment_lead_tokens == 0
     without = _warm(segment_lead_kv=False)
     assert not any(e.lead_blocks for e in without.engine.segment_store._entries.values())
     mean_kv = _kl(full, without.generate([prompt], PARAMS)[0].first_logits)
@@ -80,7 +84,7 @@ def test_a_segment_after_a_long_head_is_spliced_from_its_mean_kv(lead: LLM) -> N
     assert len(lead.tokenizer.encode(LONG_HEAD)) > LEAD_HEAD_TOKENS
     before = store.stats.lead_hit_tokens
     out = lead.generate([[LONG_HEAD, Segment(DOC_A), QUESTION]], PARAMS)[0]
-    assert out.metrics.segment_hit_tokens > 0
+    assert out.metrics.segment_hit_tokens > 0 and out.metrics.segment_lead_tokens == 0
     assert store.stats.lead_hit_tokens == before
 
 

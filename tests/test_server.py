@@ -124,7 +124,8 @@ def test_chat_documents_reordered_hit_the_segment_store(
         ).usage
 
     first = ask(DOCS, "tenant-a")
-    assert first.segment_hit_tokens == 0
+    assert first.segment_hit_tokens == 0 and first.segment_lead_tokens == 0
+    wait_idle(server)  # the store's background work: the documents' KV, and their lead KV
     second = ask([DOCS[2], DOCS[0], DOCS[1]], "tenant-a")
     tokenizer = engine_of(server).tokenizer
     assert tokenizer is not None
@@ -138,6 +139,8 @@ def test_chat_documents_reordered_hit_the_segment_store(
     assert 0 < second.prefix_hit_tokens <= len(tokenizer.encode(leading))
     assert second.prompt_tokens_details.cached_tokens == second.prefix_hit_tokens + second.segment_hit_tokens
     assert second.recomputed_tokens <= second.segment_hit_tokens
+    # DOCS[2] now opens the documents, after the same head as in the first request: its lead KV.
+    assert second.segment_lead_tokens == doc_tokens[2]
     # Another tenant shares nothing.
     other = ask([DOCS[2], DOCS[0], DOCS[1]], "tenant-b")
     assert other.segment_hit_tokens == 0 and other.prefix_hit_tokens == 0

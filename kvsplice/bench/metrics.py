@@ -57,6 +57,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
     segment_hit_tokens: int = 0
+    # Of those, spliced from lead KV computed after the same prompt head (exact).
+    segment_lead_tokens: int = 0
     # Reused KV of spans found without markup (auto_segments).
     discovered_hit_tokens: int = 0
     computed_tokens: int = 0

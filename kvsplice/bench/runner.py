@@ -263,6 +263,7 @@ class _Run:
         record.prompt_tokens = m.prompt_tokens
         record.prefix_hit_tokens = m.prefix_hit_tokens
         record.segment_hit_tokens = m.segment_hit_tokens
+        record.segment_lead_tokens = m.segment_lead_tokens
         record.discovered_hit_tokens = m.discovered_hit_tokens
         record.computed_tokens = m.computed_tokens
         record.recomputed_tokens = m.recomputed_tokens

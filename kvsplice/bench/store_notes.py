@@ -28,4 +28,11 @@ def store_notes(engine: Engine, config: EngineConfig, records: list[RequestRecor
             f"at a prompt's start ({stats.lead_tokens / prompts:.0%} of the measured requests' prompt "
             f"tokens) and spliced {stats.lead_hit_tokens:,} tokens from it; {work.leads_dropped} dropped"
         )
+        measured = [r for r in records if not r.warmup and r.segment_hit_tokens]
+        if measured:
+            exact = sum(r.segment_lead_tokens for r in measured) / sum(r.segment_hit_tokens for r in measured)
+            notes.append(
+                f"segment_lead_kv: {exact:.0%} of the measured requests' segment tokens were spliced from "
+                "lead KV computed after the same prompt head (a full prefill's KV, left unrepaired)"
+            )
     return notes

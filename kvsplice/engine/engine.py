@@ -285,6 +285,7 @@ class Engine:
         m.prefix_hit_tokens = request.admission.prefix_hit_tokens if request.admission else 0
         m.discovered_hit_tokens = plan.discovered_tokens
         m.segment_hit_tokens = plan.tokens(SpanKind.SPLICED) - m.discovered_hit_tokens
+        m.segment_lead_tokens = plan.lead_tokens
         m.computed_tokens = plan.tokens(SpanKind.COMPUTE)
         m.recomputed_tokens = prefill.recomputed
         m.prefill_flops = prefill.work.flops

@@ -77,6 +77,11 @@ class Plan:
         """Spliced tokens of segments found without markup."""
         return sum(len(s) for s in self.spliced() if s.discovered)
 
+    @property
+    def lead_tokens(self) -> int:
+        """Spliced tokens whose KV is a lead KV computed after the very tokens before it (exact)."""
+        return sum(len(s) for s in self.spliced() if s.lead_kv)
+
     def __str__(self) -> str:
         return " ".join(
             f"{s.kind.value}{'(found)' if s.discovered else ''}[{s.start}:{s.end})" for s in self.spans

@@ -151,6 +151,7 @@ def usage(metrics: list[RequestMetrics]) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": prefix + segment + discovered},
         "prefix_hit_tokens": prefix,
         "segment_hit_tokens": segment,
+        "segment_lead_tokens": sum(m.segment_lead_tokens for m in metrics),
         "discovered_hit_tokens": discovered,
         "recomputed_tokens": sum(m.recomputed_tokens for m in metrics),
         "store_hit_tokens": sum(sum(m.store_hit_tokens.values()) for m in metrics),
