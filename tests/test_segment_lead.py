@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsplice import LLM, SamplingParams, Segment
+from kvsplice import LLM, RequestOptions, SamplingParams, Segment
 from kvsplice.cache.segments import SegmentStore
 from kvsplice.kv.allocator import BlockAllocator
 from kvsplice.reuse.prefill import LEAD_HEAD_TOKENS
@@ -94,11 +94,83 @@ def test_an_evicted_entry_gives_its_lead_blocks_back() -> None:
     store.insert("ns", (1, 2, 3, 4, 5), allocator.allocate(2))
     entry = store.peek("ns", (1, 2, 3, 4, 5))
     assert entry is not None
-    entry.lead_blocks = allocator.allocate(2)
+    store.attach_lead(entry, allocator.allocate(2), (9,))
     assert allocator.num_free == 12
     store.clear()
     assert allocator.num_free == 16 and len(store) == 0
     allocator.check_invariants()
+
+
+A, B = (1, 2, 3, 4, 5), (6, 7, 8, 9, 10)
+
+
+def _store_with_leads(reuse_first_inside: bool) -> tuple[BlockAllocator, SegmentStore]:
+    """A store (10 blocks of 4 tokens) holding A and B, 2 blocks each, each with 2 blocks of lead KV:
+    8 blocks held, 2 free. Then A is looked up again: inside a prompt (its lead KV not used) or at a
+    prompt's start (its lead KV used)."""
+    allocator = BlockAllocator(10, 4)
+    store = SegmentStore(allocator, ())
+    for tokens in (A, B):
+        store.insert("ns", tokens, allocator.allocate(2))
+        entry = store.peek("ns", tokens)
+        assert entry is not None
+        store.attach_lead(entry, allocator.allocate(2), (0,))
+    entry = store.lookup("ns", A)
+    assert entry is not None
+    if not reuse_first_inside:
+        store.lead_hit(entry)
+    return allocator, store
+
+
+def test_lead_kv_is_evicted_on_its_own_clock() -> None:
+    """Least recently used first, over entries and lead KVs alike: A's lead KV, unused since it was
+    attached, goes before B (last touched after it), and A stays; then B goes whole."""
+    allocator, store = _store_with_leads(reuse_first_inside=True)
+    allocator.allocate(4)  # 2 more than are free: one reclaim of 2 blocks
+    a, b = store.peek("ns", A), store.peek("ns", B)
+    assert a is not None and a.lead_blocks is None and a.lead_head == ()
+    assert b is not None and b.lead_blocks is not None
+    assert store.stats.lead_evictions == 1 and store.stats.evictions == 0
+    allocator.allocate(2)
+    assert store.peek("ns", B) is None and store.stats.evictions == 1
+    assert store.peek("ns", A) is not None
+    allocator.check_invariants()
+
+
+def test_a_used_lead_kv_outlives_an_unused_entry() -> None:
+    """A prompt that opened with A used its lead KV: B, older, goes whole first (its lead KV with it)."""
+    allocator, store = _store_with_leads(reuse_first_inside=False)
+    assert store.stats.lead_hit_tokens == len(A)
+    allocator.allocate(4)
+    assert store.peek("ns", B) is None and store.stats.evictions == 1
+    a = store.peek("ns", A)
+    assert a is not None and a.lead_blocks is not None and store.stats.lead_evictions == 0
+    assert allocator.num_free == 2  # B's 4 blocks, 2 of them taken
+    allocator.check_invariants()
+
+
+@pytest.mark.slow
+def test_a_dropped_lead_kv_is_computed_again_where_a_prompt_opens_with_it(default_model_dir) -> None:
+    llm = _warm()
+    store = llm.engine.segment_store
+    a, b = (store.lookup(*key) for key in list(store._entries))  # the warm prompt had DOC_B first
+    assert a is not None and b is not None and a.lead_blocks is not None and b.lead_blocks is not None
+    assert llm.tokenizer.decode(list(b.key[1])) == DOC_A
+    # Both entries used since their lead KVs were attached, and DOC_B's lead KV after them: DOC_A's
+    # lead KV is the least recently used. (DOC_A, unlike DOC_B, is not in the prefix cache after HEAD.)
+    store.lead_hit(a)
+    store.reclaim_one()
+    assert b.lead_blocks is None and a.lead_blocks is not None
+    assert len(store) == 2 and store.stats.lead_evictions == 1 and store.stats.evictions == 0
+    first = llm.generate([[HEAD, Segment(DOC_A), QUESTION]], PARAMS)[0]
+    assert first.metrics.segment_hit_tokens > 0 and first.metrics.segment_lead_tokens == 0
+    while llm.engine.has_unfinished():  # the lead KV, after this prompt's head
+        llm.engine.step()
+    assert b.lead_blocks is not None
+    # Other repair settings: the prefix cache does not hold this prompt's KV under their segment keys.
+    again = llm.generate([[HEAD, Segment(DOC_A), QUESTION]], PARAMS, RequestOptions(repair="lead"))[0]
+    assert again.metrics.segment_lead_tokens == again.metrics.segment_hit_tokens > 0
+    llm.close()
 
 
 @pytest.mark.slow

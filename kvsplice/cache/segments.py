@@ -16,6 +16,12 @@ live in the shared KV pool under the same budget as the prefix cache: the store 
 per block, and is a `Reclaimer` the allocator asks to drop least recently used entries when memory
 runs short. Keys are (namespace, token ids): tenants with different salts share nothing (the
 canonical context is public text, shared by all).
+
+An entry's lead KV (its KV at a prompt's start, EngineConfig.segment_lead_kv) is a second copy, kept
+on a clock of its own: its last use is the last prompt spliced from it, not the last lookup of the
+entry. When memory runs short the least recently used of all entries and all lead KVs goes first, so
+the lead KV of a segment that no longer opens prompts is dropped while the segment, still reused
+elsewhere, stays; evicting an entry drops its lead KV with it.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class SegmentEntry:
     # position (the head's own KV is in the slots before). None until computed.
     lead_blocks: list[int] | None = None
     lead_head: tuple[int, ...] = ()
+    # When a prompt was last spliced from the lead KV (or, before any, when it was attached).
+    lead_access: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +72,8 @@ class SegmentStoreStats:
     # Tokens computed for stored segments' lead KV (store_fill.LeadFill), and spliced from it.
     lead_tokens: int = 0
     lead_hit_tokens: int = 0
+    # Lead KVs dropped for memory while their entry stayed.
+    lead_evictions: int = 0
 
 
 class StoreWatcher(Protocol):
@@ -83,8 +93,9 @@ class SegmentStore:
         # The context's KV, computed once by the engine and held here for good (None until then).
         self.context_blocks: list[int] | None = None
         self._entries: dict[tuple[Hashable, tuple[int, ...]], SegmentEntry] = {}
-        # (last_access, key) candidates for eviction; stale ones are skipped when popped.
-        self._lru: list[tuple[float, int, tuple[Hashable, tuple[int, ...]]]] = []
+        # (last access, tie-break, key, lead) candidates for eviction: an entry, or (lead) only its lead
+        # KV; stale ones are skipped when popped.
+        self._lru: list[tuple[float, int, tuple[Hashable, tuple[int, ...]], bool]] = []
         self._counter = 0
         self.stats = SegmentStoreStats()
         self._watchers: list[StoreWatcher] = []
@@ -149,18 +160,42 @@ class SegmentStore:
         for watcher in self._watchers:
             watcher.inserted(namespace, tokens)
 
+    def attach_lead(self, entry: SegmentEntry, blocks: list[int], head: tuple[int, ...]) -> None:
+        """Give a held entry its lead KV (store_fill.LeadFill); the store takes over the references."""
+        assert self._entries.get(entry.key) is entry, "lead KV for an entry the store does not hold"
+        assert entry.lead_blocks is None, "lead KV attached twice"
+        entry.lead_blocks, entry.lead_head = blocks, head
+        self._touch_lead(entry)
+
+    def lead_hit(self, entry: SegmentEntry) -> None:
+        """A prompt is spliced from the entry's lead KV: it is used, so it is kept longer."""
+        assert entry.lead_blocks is not None, "a lead hit on an entry without lead KV"
+        self.stats.lead_hit_tokens += entry.num_tokens
+        self._touch_lead(entry)
+
     def oldest_access(self) -> float | None:
         while self._lru:
-            access, _, key = self._lru[0]
+            access, _, key, lead = self._lru[0]
             entry = self._entries.get(key)
-            if entry is not None and entry.last_access == access:
+            if entry is not None and (
+                entry.lead_access == access and entry.lead_blocks is not None
+                if lead
+                else entry.last_access == access
+            ):
                 return access
             heapq.heappop(self._lru)
         return None
 
     def reclaim_one(self) -> None:
         assert self.oldest_access() is not None, "nothing to reclaim"
-        _, _, key = heapq.heappop(self._lru)
+        _, _, key, lead = heapq.heappop(self._lru)
+        if lead:
+            entry = self._entries[key]
+            assert entry.lead_blocks is not None
+            self.allocator.decref(reversed(entry.lead_blocks))
+            entry.lead_blocks, entry.lead_head = None, ()
+            self.stats.lead_evictions += 1
+            return
         entry = self._entries.pop(key)
         self.stats.evictions += 1
         self.allocator.decref(reversed(entry.blocks))
@@ -176,7 +211,12 @@ class SegmentStore:
     def _touch(self, entry: SegmentEntry) -> None:
         entry.last_access = time.monotonic()
         self._counter += 1
-        heapq.heappush(self._lru, (entry.last_access, self._counter, entry.key))
+        heapq.heappush(self._lru, (entry.last_access, self._counter, entry.key, False))
+
+    def _touch_lead(self, entry: SegmentEntry) -> None:
+        entry.lead_access = time.monotonic()
+        self._counter += 1
+        heapq.heappush(self._lru, (entry.lead_access, self._counter, entry.key, True))
 
 
 # A stored segment is computed after this many tokens of context by default (more where a sliding

@@ -100,11 +100,14 @@ class StoreWork:
     def queue(
         self, namespace: Hashable, block_table: list[int], prefill: Prefill, head: tuple[int, ...] = ()
     ) -> None:
-        """The store work a finished prefill leaves: its borrowed spans and missed segments, and the lead
-        KV of segments promoted from the tiers below (which hold the mean KV only). `head`: the prompt's
+        """The store work a finished prefill leaves: its borrowed spans and missed segments, the lead KV
+        of segments promoted from the tiers below (which hold the mean KV only), and that of stored
+        segments that open the prompt but lost their lead KV for memory. `head`: the prompt's
         head, which the lead KV of its segments is computed after (prefill.lead_head; empty: BOS)."""
         for promoted in prefill.promoted:
             self._lead(promoted.namespace, promoted.tokens, head)
+        for tokens in prefill.lead_missing:
+            self._lead(namespace, tokens, head)
         for b in prefill.borrowed:
             # Copied from the earlier prompt's KV, whose blocks the prefill has held since it was planned.
             self._copies.append(

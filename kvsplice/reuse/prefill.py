@@ -174,6 +174,8 @@ class Prefill:
     promoted: tuple[Promotion, ...] = ()
     # Found spans the store lacked, moved from earlier prompts' KV: to store, then to let go of.
     borrowed: tuple[BorrowedSpan, ...] = ()
+    # Stored segments that open this prompt but have no lead KV (dropped for memory): to compute again.
+    lead_missing: tuple[tuple[int, ...], ...] = ()
 
     @property
     def recomputed(self) -> int:
@@ -238,6 +240,7 @@ class ReusePath:
         # Per reused segment: where its KV is.
         sources: dict[int, _KVSource] = {}
         lead_kv: set[int] = set()
+        lead_missing: list[tuple[int, ...]] = []
         available: list[tuple[int, int, int]] = []
         missed: list[MissedSegment] = []
         for index, tokens in wanted.items():
@@ -247,13 +250,15 @@ class ReusePath:
             if entry is not None:
                 if entry.lead_blocks is not None and span.start <= LEAD_HEAD_TOKENS:
                     # At the prompt's start: the KV computed there (after a prompt's head).
-                    self.store.stats.lead_hit_tokens += len(tokens)
+                    self.store.lead_hit(entry)
                     head = len(entry.lead_head)
                     sources[index] = _KVSource(entry.lead_blocks, head, head)
                     if entry.lead_head == prompt.token_ids[: span.start]:
                         lead_kv.add(index)
                 else:
                     sources[index] = _KVSource(entry.blocks, 0, self.store.start_position)
+                    if span.start <= LEAD_HEAD_TOKENS and all(p.tokens != tokens for p in promoted):
+                        lead_missing.append(tokens)
                 available.append((span.start, span.end, index))
             elif queued is not None:
                 self.store.count_queued_hit(tokens)
@@ -319,7 +324,16 @@ class ReusePath:
             need_logits=True,
             next_pass=run.next_pass,
         )
-        return Prefill(plan, budget, work, run, tuple(missed), promoted=promoted, borrowed=tuple(borrowed))
+        return Prefill(
+            plan,
+            budget,
+            work,
+            run,
+            tuple(missed),
+            promoted=promoted,
+            borrowed=tuple(borrowed),
+            lead_missing=tuple(lead_missing),
+        )
 
     def first_found(self, namespace: Hashable, prompt: ParsedPrompt, prefix_hit: int) -> int | None:
         """Where the first span found without markup after a prefix hit of `prefix_hit` tokens starts,

@@ -199,7 +199,7 @@ class LeadFill:
         """The entry takes the blocks, if it is still held; else they go back."""
         entry = self.store.peek(self.namespace, self.tokens)
         if entry is not None and entry.lead_blocks is None:
-            entry.lead_blocks, entry.lead_head = self._blocks, self.head
+            self.store.attach_lead(entry, self._blocks, self.head)
         else:
             self.pool.allocator.decref(reversed(self._blocks))
         self._blocks = []

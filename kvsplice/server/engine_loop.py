@@ -59,6 +59,7 @@ class EngineStats:
     segment_contexts_dropped: int = 0
     segment_lead_tokens: int = 0
     segment_lead_hit_tokens: int = 0
+    segment_lead_evictions: int = 0
     store_work_queued: int = 0
 
 
@@ -297,5 +298,6 @@ class AsyncEngine:
             segment_contexts_dropped=engine.store_work.samples_dropped,
             segment_lead_tokens=segments.lead_tokens,
             segment_lead_hit_tokens=segments.lead_hit_tokens,
+            segment_lead_evictions=segments.lead_evictions,
             store_work_queued=engine.store_work.queued,
         )

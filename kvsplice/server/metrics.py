@@ -197,6 +197,11 @@ class _EngineCollector(Collector):
             "Segment tokens spliced from their KV at a prompt's start (segment_lead_kv)",
             s.segment_lead_hit_tokens,
         )
+        yield counter(
+            "kvsplice:segment_store_lead_evictions",
+            "Lead KVs dropped for memory while their segment stayed stored (segment_lead_kv)",
+            s.segment_lead_evictions,
+        )
         yield gauge("kvsplice:segment_store_entries", "Segments stored", s.segment_entries)
         yield gauge(
             "kvsplice:segment_store_work_queued",
