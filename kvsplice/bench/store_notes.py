@@ -15,6 +15,11 @@ def store_notes(engine: Engine, config: EngineConfig, records: list[RequestRecor
     notes = []
     if stats.evictions:
         notes.append(f"the shared splice engine's segment store evicted {stats.evictions} entries")
+    if stats.lead_evictions:
+        notes.append(
+            f"the shared splice engine's segment store dropped the lead KV of {stats.lead_evictions} "
+            "entries it kept"
+        )
     if config.segment_contexts > 1:
         notes.append(
             f"segment_contexts={config.segment_contexts}: the segment store computed "
