@@ -93,7 +93,8 @@ def plot(by_model: dict[str, list[Point]], path: Path) -> None:
                 ]
                 ax.plot([x for _, x, _ in shown], [y for _, _, y in shown], "o-", color=colour, label=family)
                 for p, x, y in shown:
-                    label = p.system.partition("@")[2] or "0"
+                    # A system named without "@" is the adaptive policy at the engine's default target.
+                    label = p.system.partition("@")[2] or "default"
                     ax.annotate(label, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
         n = points[0].summary.requests if points else 0
         for row, (label, _value) in enumerate(rows):
