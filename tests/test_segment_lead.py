@@ -153,20 +153,21 @@ def test_a_used_lead_kv_outlives_an_unused_entry() -> None:
 def test_a_dropped_lead_kv_is_computed_again_where_a_prompt_opens_with_it(default_model_dir) -> None:
     llm = _warm()
     store = llm.engine.segment_store
-    a, b = (store.lookup(*key) for key in list(store._entries))  # the warm prompt had DOC_B first
-    assert a is not None and b is not None and a.lead_blocks is not None and b.lead_blocks is not None
-    assert llm.tokenizer.decode(list(b.key[1])) == DOC_A
+    doc_b, doc_a = (store.lookup(*key) for key in list(store._entries))  # the warm prompt had DOC_B first
+    assert doc_a is not None and doc_b is not None
+    assert doc_a.lead_blocks is not None and doc_b.lead_blocks is not None
+    assert llm.tokenizer.decode(list(doc_a.key[1])) == DOC_A
     # Both entries used since their lead KVs were attached, and DOC_B's lead KV after them: DOC_A's
     # lead KV is the least recently used. (DOC_A, unlike DOC_B, is not in the prefix cache after HEAD.)
-    store.lead_hit(a)
+    store.lead_hit(doc_b)
     store.reclaim_one()
-    assert b.lead_blocks is None and a.lead_blocks is not None
+    assert doc_a.lead_blocks is None and doc_b.lead_blocks is not None
     assert len(store) == 2 and store.stats.lead_evictions == 1 and store.stats.evictions == 0
     first = llm.generate([[HEAD, Segment(DOC_A), QUESTION]], PARAMS)[0]
     assert first.metrics.segment_hit_tokens > 0 and first.metrics.segment_lead_tokens == 0
     while llm.engine.has_unfinished():  # the lead KV, after this prompt's head
         llm.engine.step()
-    assert b.lead_blocks is not None
+    assert doc_a.lead_blocks is not None
     # Other repair settings: the prefix cache does not hold this prompt's KV under their segment keys.
     again = llm.generate([[HEAD, Segment(DOC_A), QUESTION]], PARAMS, RequestOptions(repair="lead"))[0]
     assert again.metrics.segment_lead_tokens == again.metrics.segment_hit_tokens > 0

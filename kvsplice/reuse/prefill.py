@@ -174,7 +174,8 @@ class Prefill:
     promoted: tuple[Promotion, ...] = ()
     # Found spans the store lacked, moved from earlier prompts' KV: to store, then to let go of.
     borrowed: tuple[BorrowedSpan, ...] = ()
-    # Stored segments that open this prompt but have no lead KV (dropped for memory): to compute again.
+    # Stored segments that open this prompt but have no lead KV (dropped for memory, or not computed
+    # yet: a LeadFill for one that has it by the time it runs does nothing): to compute.
     lead_missing: tuple[tuple[int, ...], ...] = ()
 
     @property
