@@ -175,6 +175,26 @@ def test_a_dropped_lead_kv_is_computed_again_where_a_prompt_opens_with_it(defaul
 
 
 @pytest.mark.slow
+def test_prompts_admitted_together_queue_one_lead_fill(default_model_dir) -> None:
+    llm = _warm()
+    store, work = llm.engine.segment_store, llm.engine.store_work
+    doc_b, doc_a = (store.lookup(*key) for key in list(store._entries))  # the warm prompt had DOC_B first
+    assert doc_a is not None and doc_b is not None
+    assert llm.tokenizer.decode(list(doc_a.key[1])) == DOC_A
+    store.lead_hit(doc_b)
+    store.reclaim_one()  # the least recently used: DOC_A's lead KV
+    assert doc_a.lead_blocks is None and store.stats.evictions == 0
+    # Both prompts open with DOC_A, so both prefills report its lead KV missing; one fill computes it.
+    prompts = [[HEAD, Segment(DOC_A), q] for q in (QUESTION, "Question: Where is the observatory?\nAnswer:")]
+    llm.generate(prompts, PARAMS)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert doc_a.lead_blocks is not None
+    assert work.leads_dropped == 0
+    llm.close()
+
+
+@pytest.mark.slow
 def test_a_segment_promoted_from_disk_gets_its_lead_kv(default_model_dir, tmp_path, llm: LLM) -> None:
     store_dir = str(tmp_path / "store")
     first = _warm(store_dir=store_dir)

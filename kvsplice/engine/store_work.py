@@ -207,12 +207,20 @@ class StoreWork:
     def _lead(self, namespace: Hashable, tokens: tuple[int, ...], head: tuple[int, ...]) -> None:
         """Queue a stored segment's lead KV, computed after `head` (empty: the canonical context's first
         token, BOS), where the engine keeps lead KV and the store has a context (a model with a
-        tokenizer)."""
-        if self.segment_lead_kv and self.store.context:
+        tokenizer). Not twice: prompts admitted together that open with the same segment each report
+        it missing, and a second fill would only be dropped, after inflating the queue."""
+        if self.segment_lead_kv and self.store.context and not self._lead_queued(namespace, tokens):
             head = head or self.store.context[:1]
             self._fills.append(
                 LeadFill(self.store, self.pool, self.runner.num_layers, namespace, tokens, head)
             )
+
+    def _lead_queued(self, namespace: Hashable, tokens: tuple[int, ...]) -> bool:
+        filling = () if self._filling is None else (self._filling[0],)
+        return any(
+            isinstance(f, LeadFill) and f.namespace == namespace and f.tokens == tokens
+            for f in (*self._fills, *filling)
+        )
 
     def write_unsampled(self) -> None:
         """At close: segments whose extra contexts are still queued go to the tiers below with the
