@@ -68,6 +68,11 @@ class EngineConfig:
         "next-token distribution by at most this KL (nats)",
         default=0.05,
     )
+    repair_shift: float = _opt(
+        "how much of the KV error a reused segment's recomputed tokens show is added to its other tokens "
+        "on each layer (repair/shift.py), in [0, 1]",
+        default=0.0,
+    )
     segment_context_tokens: int | None = _opt(
         "length of the canonical context stored segments are computed after "
         "(default: 1024, or the model's sliding window + 64 where that is more; at most half the model's "
@@ -165,6 +170,7 @@ class EngineConfig:
         _check(0.0 <= self.recompute_ratio <= 1.0, "recompute_ratio must be in [0, 1]")
         _check(self.recompute_tokens is None or self.recompute_tokens >= 0, "recompute_tokens must be >= 0")
         _check(0.0 <= self.repair_target < float("inf"), "repair_target must be >= 0")
+        _check(0.0 <= self.repair_shift <= 1.0, "repair_shift must be in [0, 1]")
         _check(
             self.segment_context_tokens is None or self.segment_context_tokens >= 0,
             "segment_context_tokens must be >= 0",

@@ -24,6 +24,9 @@ class RepairSettings:
     ratio: float
     tokens: int | None
     target: float = 0.0
+    # How much of the error its recomputed tokens show is moved onto a segment's other tokens
+    # (repair/shift.py); 0: none.
+    shift: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class RequestOptions:
     repair_target: float | None = None
     # Tenant isolation: requests with different salts never share KV (prefix cache or segment store).
     cache_salt: str | None = None
+    # The segment shift of repair (repair/shift.py): a scale in [0, 1].
+    repair_shift: float | None = None
 
     def __post_init__(self) -> None:
         if self.repair is not None and self.repair not in POLICY_NAMES:
@@ -52,11 +57,21 @@ class RequestOptions:
             isinstance(target, bool) or not isinstance(target, int | float) or not 0 <= target < math.inf
         ):
             raise InvalidRequestError(f"repair_target must be a number >= 0 (a KL in nats), got {target!r}")
+        shift = self.repair_shift
+        if shift is not None and (
+            isinstance(shift, bool) or not isinstance(shift, int | float) or not 0 <= shift <= 1
+        ):
+            raise InvalidRequestError(f"repair_shift must be in [0, 1], got {shift!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
 
     def resolve(
-        self, repair: str, recompute_ratio: float, recompute_tokens: int | None, repair_target: float
+        self,
+        repair: str,
+        recompute_ratio: float,
+        recompute_tokens: int | None,
+        repair_target: float,
+        repair_shift: float = 0.0,
     ) -> RepairSettings:
         """The settings with the engine's defaults (EngineConfig's fields of the same names) filled in."""
         return RepairSettings(
@@ -64,6 +79,7 @@ class RequestOptions:
             float(self.recompute_ratio if self.recompute_ratio is not None else recompute_ratio),
             self.recompute_tokens if self.recompute_tokens is not None else recompute_tokens,
             float(self.repair_target if self.repair_target is not None else repair_target),
+            float(self.repair_shift if self.repair_shift is not None else repair_shift),
         )
 
     def namespace(self, model: str) -> Hashable:

@@ -194,7 +194,12 @@ def test_system_names_expand_without_pointless_duplicates() -> None:
     assert len({s.cache_salt for s in default_systems() if s.splices}) == 2 + len(between)
     sweep = parse_systems(["splice"], SWEEP_BUDGETS)
     assert len(sweep) == 1 + 3 + len(between) * 4
-    for bad in ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150", "splice:adaptive@-1"):
+    # A shift suffix: the same policy and budget with the segment shift at that scale, a system of its own.
+    plain, shifted = parse_systems(["splice:lead@15", "splice:lead@15+shift0.5"])[1:]
+    assert plain.shift is None and (shifted.shift, shifted.recompute_ratio) == (0.5, 0.15)
+    assert shifted.name == "splice:lead@15+shift0.5" and shifted.cache_salt != plain.cache_salt
+    bad_names = ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150", "splice:adaptive@-1")
+    for bad in (*bad_names, "radix+shift0.5", "splice:lead@15+shift2", "splice:lead@15+shiftx"):
         with pytest.raises(ValueError):
             parse_systems([bad])
 

@@ -326,3 +326,40 @@ def test_each_adaptive_round_recomputes_leads_choice_at_its_budget_afresh() -> N
     assert rounds[1] == lead_choice(plan, score, 30) == (*range(36, 51), *range(86, 101))
     # A third would take 60, past half the reused tokens: every reused token instead.
     assert policy.refine(task, a) == tuple(range(1, 101))
+
+
+def test_repair_passes_carry_the_segment_shift_of_the_approximate_segments() -> None:
+    from kvsplice.reuse.prefill import RepairRun
+
+    # Positions 0-1 cached, 2-4 spliced from lead KV (exact), 6-8 spliced, 5 and 9-11 computed.
+    plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)], lead_kv=frozenset({0}))
+    run = RepairRun(make_policy("recency"), RepairTask(plan, 2, num_layers=4, shift=0.5))
+    shift = run.first.shift
+    assert shift is not None and shift.scale == 0.5
+    assert list(shift.segments) == [(6, 7, 8)], "the lead KV's span is exact: no shift"
+    assert shift.fresh == {layer: frozenset() for layer in range(4)}
+    assert RepairRun(make_policy("recency"), RepairTask(plan, 2, num_layers=4)).first.shift is None
+    # A pass that recomputes no spliced token shifts nothing (the question probe's first pass).
+    probe = RepairRun(make_policy("query"), RepairTask(plan, 2, num_layers=4, model=_tiny_llama(), shift=0.5))
+    assert probe.first.shift is None
+
+
+def test_each_adaptive_round_leaves_alone_what_earlier_rounds_recomputed() -> None:
+    from kvsplice.reuse.prefill import RepairRun
+
+    # As above: round 1 recomputes lead's choice at 15, round 2 at 30 (round 1's tokens with it).
+    plan = make_plan(104, 1, [(1, 51, 0), (51, 101, 1)])
+    score = torch.cat(
+        [torch.zeros(1), torch.linspace(1, 2, 50), torch.linspace(10, 20, 50) ** 8, torch.zeros(3)]
+    )
+    task = RepairTask(plan, 100, num_layers=4, model=_tiny_llama(), target=0.01, shift=1.0)
+    run = RepairRun(make_policy("adaptive"), task)
+    assert run.first.shift is None  # the probe: the question alone
+    run.first.observer.score = score  # type: ignore[union-attr]
+    first = run.next_pass(torch.tensor([2.0, 0.0, 0.0]))
+    second = run.next_pass(torch.tensor([0.0, 2.0, 0.0]))
+    assert first is not None and second is not None and first.shift is not None and second.shift is not None
+    assert list(first.shift.segments) == [tuple(range(1, 51)), tuple(range(51, 101))]
+    round_one = frozenset((*range(44, 51), *range(93, 101)))
+    assert set(first.positions) >= round_one and first.shift.fresh == dict.fromkeys(range(4), frozenset())
+    assert second.shift.fresh == dict.fromkeys(range(4), round_one)

@@ -48,6 +48,8 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], int]] = [
     ({"prompt": "hi", "recompute_ratio": 2}, 400),
     ({"prompt": "hi", "recompute_tokens": -1}, 400),
     ({"prompt": "hi", "cache_salt": 5}, 400),
+    ({"prompt": "hi", "repair_shift": 1.5}, 400),
+    ({"prompt": "hi", "repair_shift": "half"}, 400),
     ({}, 400),
     ({"prompt": ""}, 200),
     ({"prompt": []}, 400),

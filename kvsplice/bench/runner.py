@@ -232,6 +232,7 @@ class _Run:
                 recompute_ratio=system.recompute_ratio,
                 repair_target=system.target,
                 cache_salt=system.cache_salt,
+                repair_shift=system.shift,
             )
             stored_before = engine.segment_store.stats.inserted_tokens
             sampled_before = engine.segment_store.stats.sampled_tokens

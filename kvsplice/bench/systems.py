@@ -7,6 +7,8 @@
                             with a budget of <pct>% of the reused segment tokens.
     splice:adaptive@<kl>    the same, repaired by the adaptive policy, whose knob is a quality target:
                             the KL (nats) at which it stops (default: the engine's repair_target).
+    <splice system>+shift<s> the same, with the segment shift of repair at scale s (repair/shift.py;
+                            without the suffix: the engine's repair_shift).
     <splice system>/plain   the same, the prompt sent unmarked as one plain string (`--unmarked` adds
                             one per splice system): reuse beyond the prefix is what auto_segments finds.
 
@@ -53,6 +55,8 @@ class System:
     target: float | None = None
     # Documents go as Segments (splicing systems); False: the whole prompt as one plain string.
     marked: bool = True
+    # The segment shift's scale (None: the engine's repair_shift).
+    shift: float | None = None
 
     @property
     def splices(self) -> bool:
@@ -111,6 +115,9 @@ def parse_systems(names: Sequence[str], budgets: Sequence[float] = DEFAULT_BUDGE
     for item in (n.strip() for name in names for n in name.split(",")):
         if not item:
             continue
+        item, _, shift = item.partition("+shift")
+        if shift and not item.startswith("splice"):
+            raise ValueError(f"only a splice system takes a shift: {item}+shift{shift}")
         if item in PREFIX_SYSTEMS:
             found = [System(item, item)]
         elif item == "splice":
@@ -146,6 +153,14 @@ def parse_systems(names: Sequence[str], budgets: Sequence[float] = DEFAULT_BUDGE
                 f"unknown system {item!r}: use off, hash, radix, splice, splice:<policy> or "
                 f"splice:<policy>@<percent> (policies: {', '.join(POLICY_NAMES)})"
             )
+        if shift:
+            try:
+                scale = float(shift)
+            except ValueError:
+                raise ValueError(f"bad shift in {item}+shift{shift}: a scale in [0, 1]") from None
+            if not 0 <= scale <= 1:
+                raise ValueError(f"a shift is a scale in [0, 1], got {scale}")
+            found = [dataclasses.replace(s, name=f"{s.name}+shift{scale:g}", shift=scale) for s in found]
         for system in found:
             systems.setdefault(system.name, system)
     reference = systems.pop(REFERENCE, System(REFERENCE, REFERENCE))

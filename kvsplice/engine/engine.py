@@ -166,7 +166,9 @@ class Engine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         c = self.config
-        settings = options.resolve(c.repair, c.recompute_ratio, c.recompute_tokens, c.repair_target)
+        settings = options.resolve(
+            c.repair, c.recompute_ratio, c.recompute_tokens, c.repair_target, c.repair_shift
+        )
         namespace = options.namespace(str(self.model_dir))
         seed = params.seed if params.seed is not None else c.seed + next(self._ids)
         generator = None if params.greedy else torch.Generator(device=self.pool.device).manual_seed(seed)

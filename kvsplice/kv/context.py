@@ -16,6 +16,7 @@ from kvsplice.kv import rope
 from kvsplice.kv.attention import attend
 from kvsplice.kv.pool import KVPool
 from kvsplice.model_config import ModelConfig
+from kvsplice.repair.shift import SegmentShift
 
 
 class LayerObserver(Protocol):
@@ -39,8 +40,12 @@ class ForwardContext:
         key_slots: torch.Tensor,
         key_pos: torch.Tensor,
         observer: LayerObserver | None = None,
+        shift: SegmentShift | None = None,
+        sequence_slots: torch.Tensor | None = None,
     ) -> None:
-        """positions, write_slots: [B, T]; key_slots, key_pos: [B, S] (padding: slot 0, position NO_KEY)."""
+        """positions, write_slots: [B, T]; key_slots, key_pos: [B, S] (padding: slot 0, position NO_KEY).
+        With a shift (one sequence): sequence_slots [blocks * block_size], the slot of each position of
+        the sequence's whole block table (the shift reaches tokens past the chunk's last query)."""
         self.cfg = cfg
         self.pool = pool
         self.freqs = freqs
@@ -49,6 +54,9 @@ class ForwardContext:
         self.key_slots = key_slots
         self.key_pos = key_pos
         self.observer = observer
+        self.shift = shift
+        self.sequence_slots = sequence_slots
+        assert shift is None or (sequence_slots is not None and positions.shape[0] == 1)
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +69,11 @@ class ForwardContext:
         """q: [B, T, Hq, D], k, v: [B, T, Hkv, D] (after RoPE) -> [B, T, Hq, D]."""
         if self.observer is not None and layer in self.observer.layers:
             self.observer.observe(layer, self, q, k, v)
+        if self.shift is not None:
+            assert self.sequence_slots is not None
+            freq = self.freqs[self.cfg.layer_types[layer]]
+            pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
+            self.shift.apply(layer, self.positions[0], self.sequence_slots, k[0], v[0], pool_k, pool_v, freq)
         self.pool.write(layer, self.write_slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
         keys, values = self.pool.read(layer, self.key_slots)  # [B, S, Hkv, D]
         return attend(

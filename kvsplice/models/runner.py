@@ -20,6 +20,7 @@ from kvsplice.kv.attention import NO_KEY
 from kvsplice.kv.context import ForwardContext, LayerObserver
 from kvsplice.kv.pool import KVPool
 from kvsplice.models.layers import CausalLM
+from kvsplice.repair.shift import SegmentShift
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class ForwardChunk:
     hidden: torch.Tensor | None = None
     need_logits: bool = False
     observer: LayerObserver | None = None
+    # A repair pass's segment shift (repair/shift.py).
+    shift: SegmentShift | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,9 @@ class ModelRunner:
         assert (chunk.hidden is None) == (layers.start == 0), "hidden states come in exactly past layer 0"
         assert not chunk.need_logits or layers.stop == self.num_layers
         positions = torch.tensor(chunk.positions, dtype=torch.int64, device=self.device)
-        ctx = self._context([chunk.block_table], positions[None], [chunk.positions[-1] + 1], chunk.observer)
+        ctx = self._context(
+            [chunk.block_table], positions[None], [chunk.positions[-1] + 1], chunk.observer, chunk.shift
+        )
         if chunk.hidden is None:
             ids = torch.tensor(chunk.token_ids, dtype=torch.int64, device=self.device)
             h = self.model.embed(ids[None])  # [1, T, hidden]
@@ -126,6 +131,7 @@ class ModelRunner:
         positions: torch.Tensor,
         lengths: list[int],
         observer: LayerObserver | None = None,
+        shift: SegmentShift | None = None,
     ) -> ForwardContext:
         bs = self.pool.block_size
         num_blocks = max(-(-n // bs) for n in lengths)
@@ -147,8 +153,22 @@ class ModelRunner:
         write_slots = torch.stack(
             [self.pool.slots(list(t), p) for t, p in zip(tables, positions, strict=True)]
         )
+        sequence_slots = None
+        if shift is not None:
+            (table,) = tables
+            every = torch.arange(len(table) * bs, device=self.device)
+            sequence_slots = self.pool.slots(list(table), every)
         return ForwardContext(
-            self.cfg, self.pool, self.freqs, positions, write_slots, key_slots, key_pos, observer
+            self.cfg,
+            self.pool,
+            self.freqs,
+            positions,
+            write_slots,
+            key_slots,
+            key_pos,
+            observer,
+            shift,
+            sequence_slots,
         )
 
     def _flops(self, positions: torch.Tensor, layer: int) -> float:

@@ -38,6 +38,8 @@ class RepairTask:
     model: ModelConfig | None = None
     # The quality target of a policy without a budget: the KL (nats) its repair converges to.
     target: float = 0.0
+    # The segment shift's scale (repair/shift.py); 0: none.
+    shift: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,14 @@ import torch
 
 from kvsplice.cache.base import PrefixCache
 from kvsplice.cache.segments import SegmentStore
+from kvsplice.kv.context import LayerObserver
 from kvsplice.kv.pool import KVPool
 from kvsplice.models.runner import ModelRunner
 from kvsplice.options import RepairSettings
 from kvsplice.prompt import ParsedPrompt
 from kvsplice.repair.base import RepairPolicy, RepairTask
 from kvsplice.repair.registry import budget_tokens, make_policy
+from kvsplice.repair.shift import SegmentShift
 from kvsplice.reuse.discover import Discovery, SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, Promotion
 from kvsplice.reuse.place import move_kv
@@ -45,7 +47,16 @@ class RepairRun:
         self.task = task
         plan, layers = task.plan, task.num_layers
         spliced = set(plan.positions(SpanKind.SPLICED))
+        self._spliced = spliced
         self._compute = plan.positions(SpanKind.COMPUTE)
+        # Each reused segment's approximate positions (lead KV is exact), for the segment shift; and,
+        # per layer, the spliced positions some pass has recomputed there.
+        by_segment: dict[int | None, list[int]] = {}
+        for span in plan.spliced():
+            if not span.lead_kv:
+                by_segment.setdefault(span.segment, []).extend(range(span.start, span.end))
+        self._segments = tuple(tuple(p) for p in by_segment.values())
+        self._fresh: dict[int, set[int]] = {layer: set() for layer in range(layers)}
         self.decision = policy.decide(task)
         # A pass already decided that runs after the current one.
         self._queued: Pass | None = None
@@ -56,11 +67,11 @@ class RepairRun:
                 f"{policy.name} recomputes {len(self.decision.recompute)} > {task.budget}"
             )
             self.recomputed: tuple[int, ...] | None = self.decision.recompute
-            self.first = Pass(_union(self._compute, self.decision.recompute), range(layers))
+            self.first = self._pass(_union(self._compute, self.decision.recompute), range(layers))
         else:
             assert set(probe.positions) <= spliced and 0 <= probe.last_layer < layers
             self.recomputed = None
-            self.first = Pass(
+            self.first = self._pass(
                 _union(self._compute, probe.positions), range(probe.last_layer + 1), probe.observer
             )
 
@@ -75,13 +86,13 @@ class RepairRun:
         chosen = self.policy.choose(self.task, probe, logits)
         assert len(chosen) <= self.task.budget
         self.recomputed = chosen
-        rest = Pass(_union(self._compute, chosen), range(probe.last_layer + 1, self.task.num_layers))
+        rest = self._pass(_union(self._compute, chosen), range(probe.last_layer + 1, self.task.num_layers))
         if not probe.resume:
             assert set(chosen) <= set(self.task.plan.positions(SpanKind.SPLICED))
             if not rest.layers:
                 # The probe ran every layer (the adaptive policy's first estimate): a round of repair
                 # from the first layer, as `refine` asks for.
-                return Pass(_union(self._compute, chosen), range(self.task.num_layers))
+                return self._pass(_union(self._compute, chosen), range(self.task.num_layers))
             # The question (plan.question(): the computed tokens after the last reused one and after the
             # last marked segment, so not a new document that follows the last reused one) runs the
             # probe's layers again with the chosen, over their repaired KV: letting it resume (its first
@@ -94,9 +105,9 @@ class RepairRun:
             if not again:
                 return rest
             if len(again) == len(rest.positions):  # nothing resumes: one pass from the first layer
-                return Pass(again, range(self.task.num_layers))
+                return self._pass(again, range(self.task.num_layers))
             self._queued = rest
-            return Pass(again, range(probe.last_layer + 1))
+            return self._pass(again, range(probe.last_layer + 1))
         assert set(chosen) <= set(probe.positions)
         return rest if rest.layers else None
 
@@ -109,7 +120,20 @@ class RepairRun:
         assert set(more) <= set(self.task.plan.positions(SpanKind.SPLICED))
         self.recomputed = _union(self.recomputed, more)
         assert len(self.recomputed) <= self.task.budget
-        return Pass(_union(self._compute, more), range(self.task.num_layers))
+        return self._pass(_union(self._compute, more), range(self.task.num_layers))
+
+    def _pass(self, positions: tuple[int, ...], layers: range, observer: LayerObserver | None = None) -> Pass:
+        """A pass, with the segment shift where it recomputes spliced tokens (repair/shift.py). The
+        passes of one layer run in the order they are made (a later one's layers never precede an
+        earlier one's), so what earlier passes recomputed on a layer is known here."""
+        recomputed = [p for p in positions if p in self._spliced]
+        shift = None
+        if self.task.shift and recomputed and self._segments:
+            fresh = {layer: frozenset(self._fresh[layer]) for layer in layers}
+            shift = SegmentShift(self.task.shift, self._segments, fresh)
+        for layer in layers:
+            self._fresh[layer].update(recomputed)
+        return Pass(positions, layers, observer, shift)
 
 
 @dataclass(frozen=True)
@@ -315,7 +339,10 @@ class ReusePath:
             else spliced
         )
         run = RepairRun(
-            policy, RepairTask(plan, budget, self.runner.num_layers, self.runner.cfg, settings.target)
+            policy,
+            RepairTask(
+                plan, budget, self.runner.num_layers, self.runner.cfg, settings.target, settings.shift
+            ),
         )
         work = PrefillWork(
             block_table,

@@ -20,6 +20,7 @@ import torch
 
 from kvsplice.kv.context import LayerObserver
 from kvsplice.models.runner import ForwardChunk, ForwardResult
+from kvsplice.repair.shift import SegmentShift
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Pass:
     positions: tuple[int, ...]  # sorted, non-empty
     layers: range
     observer: LayerObserver | None = None
+    shift: SegmentShift | None = None
 
 
 class PrefillWork:
@@ -89,6 +91,7 @@ class PrefillWork:
             hidden,
             need_logits=self.need_logits and last and current.layers.stop == self.num_layers,
             observer=current.observer,
+            shift=current.shift,
         )
 
     def complete(self, chunk: ForwardChunk, result: ForwardResult) -> torch.Tensor | None:

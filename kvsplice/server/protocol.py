@@ -51,6 +51,7 @@ class _Common(BaseModel):
     recompute_ratio: float | None = None
     recompute_tokens: int | None = None
     repair_target: float | None = None
+    repair_shift: float | None = None
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
@@ -85,7 +86,12 @@ class _Common(BaseModel):
     def request_options(self) -> RequestOptions:
         """Raises InvalidRequestError for a bad value (a 400 for the client)."""
         return RequestOptions(
-            self.repair, self.recompute_ratio, self.recompute_tokens, self.repair_target, self.cache_salt
+            self.repair,
+            self.recompute_ratio,
+            self.recompute_tokens,
+            self.repair_target,
+            self.cache_salt,
+            self.repair_shift,
         )
 
     @property
