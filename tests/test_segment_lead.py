@@ -211,3 +211,34 @@ def test_a_segment_promoted_from_disk_gets_its_lead_kv(default_model_dir, tmp_pa
     want = llm.generate([[DOC_A, QUESTION]], PARAMS)[0]
     torch.testing.assert_close(got.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)
     fresh.close()
+
+
+@pytest.mark.slow
+def test_a_segment_with_lead_kv_is_not_taken_from_an_earlier_prompts_approximate_kv(
+    default_model_dir, llm: LLM
+) -> None:
+    llm_ = _warm()
+    store = llm_.engine.segment_store
+    doc_b, doc_a = (store.lookup(*key) for key in list(store._entries))  # the warm prompt had DOC_B first
+    assert doc_a is not None and doc_b is not None
+    store.lead_hit(doc_b)
+    store.reclaim_one()  # DOC_A's lead KV
+    assert doc_a.lead_blocks is None
+    # DOC_A opens this prompt without lead KV: spliced from its mean KV and repaired for this question,
+    # then cached under segment keys.
+    first = llm_.generate([[HEAD, Segment(DOC_A), Segment(DOC_B), QUESTION]], PARAMS)[0]
+    assert first.metrics.segment_lead_tokens == 0 and first.metrics.segment_hit_tokens > 0
+    while llm_.engine.has_unfinished():  # DOC_A's lead KV again
+        llm_.engine.step()
+    assert doc_a.lead_blocks is not None
+    # Another question on DOC_A: spliced from the lead KV, not the first prompt's KV of DOC_A.
+    other = [HEAD, Segment(DOC_A), "Question: On what does the observatory stand?\nAnswer:"]
+    want = llm.generate([[HEAD, DOC_A, other[2]]], PARAMS)[0]
+    got = llm_.generate([other], PARAMS)[0]
+    assert got.metrics.segment_lead_tokens == got.metrics.segment_hit_tokens == len(doc_a.key[1])
+    torch.testing.assert_close(got.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)
+    # Its KV was exact: the prefix cache keeps it under plain ids, and the same prompt again is a hit.
+    again = llm_.generate([other], PARAMS)[0]
+    assert again.metrics.prefix_hit_tokens >= len(llm_.tokenizer.encode(HEAD)) + len(doc_a.key[1])
+    torch.testing.assert_close(again.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)
+    llm_.close()

@@ -60,17 +60,27 @@ class SegmentKeys:
         approximate: bool,
         peek: Callable[[list[int]], int],
         first_found: Callable[[int], int | None] = lambda hit: None,
+        exact_lead: int | None = None,
     ) -> CacheKeys:
         """The ids a request is cached under: plain token ids, or segment keys when the request splices
         with a repair that leaves KV approximate and they match at least as much (`peek`: the prefix
         cache's hit for some ids): then its KV, approximate or not, enters the prefix cache under them
         and later requests that extend it reuse it. `first_found(hit)`: where the first span found
-        without markup after the plain prefix hit `hit` starts, if any."""
+        without markup after the plain prefix hit `hit` starts, if any. `exact_lead`: where the prompt's
+        first marked segment ends when it will be spliced from lead KV computed after this very head
+        (a full prefill's KV): its tokens keep their ids, and segment keys start after it. Else a
+        request that opens with the same segment and asks another question would take, as its
+        prefix, this one's KV of it, repaired for this one's question (recall bench, SmolLM2, 200
+        requests, the answer in the first document: KL 0.138 where that document came that way, 0.080
+        where it was spliced afresh)."""
         plain = list(prompt.token_ids)
         if not approximate:
             return CacheKeys(plain, None)
         plain_hit = peek(plain)
         starts = [span.start for span in prompt.segments]
+        if exact_lead is not None:
+            assert prompt.segments and prompt.segments[0].end == exact_lead
+            starts = starts[1:]
         found = first_found(plain_hit)
         if found is not None:
             starts.append(found)

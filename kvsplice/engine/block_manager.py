@@ -21,6 +21,8 @@ from kvsplice.repair.registry import POLICIES
 
 # (namespace, prompt, plain prefix hit) -> where the first span found without markup starts, if any
 FirstFound = Callable[[Hashable, ParsedPrompt, int], int | None]
+# (namespace, prompt) -> where its first marked segment ends if it is spliced from exact lead KV
+ExactLead = Callable[[Hashable, ParsedPrompt], int | None]
 
 
 class BlockManager:
@@ -31,9 +33,11 @@ class BlockManager:
         max_model_len: int,
         vocab_size: int,
         first_found: FirstFound = lambda namespace, prompt, hit: None,
+        exact_lead: ExactLead = lambda namespace, prompt: None,
     ) -> None:
         self.pool = pool
         self.first_found = first_found
+        self.exact_lead = exact_lead
         self.allocator = pool.allocator
         self.prefix_cache = prefix_cache
         self.max_model_len = max_model_len
@@ -59,6 +63,7 @@ class BlockManager:
             approximate,
             lambda ids: self.prefix_cache.peek(seq.namespace, ids),
             lambda hit: self.first_found(seq.namespace, request.prompt, hit),
+            self.exact_lead(seq.namespace, request.prompt),
         )
         seq.keys = keys.ids
         hit = self.prefix_cache.acquire(seq)

@@ -106,6 +106,7 @@ class Engine:
             self.max_model_len,
             self.model_config.vocab_size,
             self.reuse.first_found,
+            self.reuse.exact_lead,
         )
         self.scheduler = Scheduler(
             self.blocks,
@@ -307,11 +308,10 @@ class Engine:
             # be moved from it: the exact part, or under segment keys what precedes them.
             prompt, admission = request.prompt, request.admission
             assert admission is not None
+            exact = prefill.exact_until
+            kept = len(prompt.token_ids) if exact is None else exact
             if admission.approximate_from is not None:
-                kept = admission.approximate_from
-            else:
-                exact = prefill.exact_until
-                kept = len(prompt.token_ids) if exact is None else exact
+                kept = min(kept, admission.approximate_from)
             self._to_index.append((request.namespace, prompt.token_ids[:kept]))
         self.store_work.queue(request.namespace, request.seq.block_table, prefill, lead_head(request.prompt))
 

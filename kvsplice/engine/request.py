@@ -72,9 +72,14 @@ class Request:
     @property
     def indexable_len(self) -> int:
         """Tokens whose KV the prefix cache may index: all written KV under segment keys; under plain
-        token ids only the exact part (reused KV spliced in and not recomputed is approximate)."""
+        token ids only the exact part (reused KV spliced in and not recomputed is approximate). Under
+        segment keys the tokens before them keep their ids, so they must be exact: where a lead KV
+        the keys were chosen by was dropped before the plan, only the exact part is indexed."""
         assert self.admission is not None and self.prefill is not None
-        exact = None if self.admission.segment_keyed else self.prefill.exact_until
+        exact = self.prefill.exact_until
+        keyed_from = self.admission.approximate_from
+        if keyed_from is not None and (exact is None or exact >= keyed_from):
+            return self.kv_len
         return self.kv_len if exact is None else min(self.kv_len, exact)
 
     def to_output(self) -> RequestOutput:

@@ -209,10 +209,12 @@ class Prefill:
 
     @property
     def exact_until(self) -> int | None:
-        """The first position whose KV is approximate (a spliced token not recomputed: it and every later
-        token read stale KV); None if all KV is exact. Known once the work is done."""
+        """The first position whose KV is approximate (a spliced token not recomputed, nor spliced from
+        lead KV computed after the very tokens before it: it and every later token read stale KV);
+        None if all KV is exact. Known once the work is done."""
         assert self.repair.recomputed is not None
-        stale = sorted(set(self.plan.positions(SpanKind.SPLICED)) - set(self.repair.recomputed))
+        lead = {p for s in self.plan.spliced() if s.lead_kv for p in range(s.start, s.end)}
+        stale = sorted(set(self.plan.positions(SpanKind.SPLICED)) - set(self.repair.recomputed) - lead)
         return stale[0] if stale else None
 
 
@@ -362,6 +364,18 @@ class ReusePath:
             borrowed=tuple(borrowed),
             lead_missing=tuple(lead_missing),
         )
+
+    def exact_lead(self, namespace: Hashable, prompt: ParsedPrompt) -> int | None:
+        """Where the prompt's first marked segment ends, if the store holds its lead KV computed after
+        this very prompt head: spliced, it is a full prefill's KV (unless it is dropped for memory
+        before the plan; Request.indexable_len covers that)."""
+        if not prompt.segments or prompt.segments[0].start > LEAD_HEAD_TOKENS:
+            return None
+        span = prompt.segments[0]
+        entry = self.store.peek(namespace, prompt.segment_tokens(span))
+        if entry is None or entry.lead_blocks is None or entry.lead_head != prompt.token_ids[: span.start]:
+            return None
+        return span.end
 
     def first_found(self, namespace: Hashable, prompt: ParsedPrompt, prefix_hit: int) -> int | None:
         """Where the first span found without markup after a prefix hit of `prefix_hit` tokens starts,
