@@ -82,3 +82,17 @@ def test_too_small_a_sample_fresh_tokens_and_a_second_chunk_leave_the_kv_alone()
     assert torch.equal(pool_v, moved), "once per layer and segment"
     shift.apply(1, later, positions, _rotate(true_k[later], later), true_v[later], pool_k, pool_v, FREQ)
     assert not torch.equal(pool_v, moved), "another layer is shifted on its own"
+
+
+def test_tokens_an_earlier_chunk_of_the_pass_recomputed_are_left_alone() -> None:
+    true_k, true_v, pool_k, pool_v, positions, _ = _setup(seed=3)
+    segment = tuple(range(2, 18))
+    first, second = torch.tensor([2, 3]), torch.arange(10, 10 + MIN_SAMPLE)
+    shift = SegmentShift(1.0, [segment], own=frozenset([*first.tolist(), *second.tolist()]))
+    shift.apply(0, first, positions, _rotate(true_k[first], first), true_v[first], pool_k, pool_v, FREQ)
+    # The first chunk writes its own KV (the attention does, after the shift).
+    pool_k[first], pool_v[first] = _rotate(true_k[first], first), true_v[first]
+    shift.apply(0, second, positions, _rotate(true_k[second], second), true_v[second], pool_k, pool_v, FREQ)
+    torch.testing.assert_close(pool_v[[2, 3]], true_v[[2, 3]], atol=0, rtol=0)
+    rest = [p for p in segment if p not in (2, 3, *second.tolist())]
+    torch.testing.assert_close(pool_v[rest], true_v[rest], atol=1e-5, rtol=0)

@@ -33,12 +33,17 @@ MIN_SAMPLE = 4
 class SegmentShift:
     """The shift of one pass. `segments`: each reused segment's approximate positions (sorted; spans
     whose KV is exact, a lead KV or a cached prefix, are not listed). `fresh[layer]`: positions whose KV
-    on that layer earlier passes of the repair recomputed (left alone, as are the pass's own)."""
+    on that layer earlier passes of the repair recomputed; `own`: the pass's positions, which it
+    recomputes (chunk by chunk). Both are left alone."""
 
     scale: float
     segments: Sequence[tuple[int, ...]]
     fresh: dict[int, frozenset[int]] = field(default_factory=dict)
+    own: frozenset[int] = frozenset()
     _done: set[tuple[int, int]] = field(default_factory=set)
+    _selections: dict[
+        tuple[tuple[int, ...], frozenset[int]], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]
+    ] = field(default_factory=dict)
 
     def apply(
         self,
@@ -57,29 +62,47 @@ class SegmentShift:
         (after RoPE); pool_k, pool_v: the layer's pool tensors [slots, Hkv, D], shifted in place."""
         if self.scale == 0:
             return
-        chunk = positions.tolist()
-        index = {p: i for i, p in enumerate(chunk)}
         skip = self.fresh.get(layer, frozenset())
-        for s, segment in enumerate(self.segments):
+        for s, rows, at, to in self._selection(tuple(positions.tolist()), skip, k.device):
             if (layer, s) in self._done:
                 continue
-            sample = [p for p in segment if p in index]
-            if len(sample) < MIN_SAMPLE:
-                continue
             self._done.add((layer, s))
-            rest = [p for p in segment if p not in index and p not in skip]
-            if not rest:
+            if not len(to):
                 continue
-            rows = torch.tensor([index[p] for p in sample], device=k.device)
-            at = torch.tensor(sample, device=k.device)
             slots = key_slots[at]
             # Keys at position 0 ([n, Hkv, D]): the error shared across positions is there, not after RoPE.
             new_k = rope.rotate_by(k[rows].float(), -at, freq)
             old_k = rope.rotate_by(pool_k[slots].float(), -at, freq)
             dk = (new_k - old_k).mean(0)  # [Hkv, D]
             dv = (v[rows].float() - pool_v[slots].float()).mean(0)
-            to = torch.tensor(rest, device=k.device)
             targets = key_slots[to]
-            moved = rope.rotate_by(dk.expand(len(rest), -1, -1).contiguous(), to, freq)  # [r, Hkv, D]
+            moved = rope.rotate_by(dk.expand(len(to), -1, -1).contiguous(), to, freq)  # [r, Hkv, D]
             pool_k[targets] = (pool_k[targets].float() + self.scale * moved).to(pool_k.dtype)
             pool_v[targets] = (pool_v[targets].float() + self.scale * dv).to(pool_v.dtype)
+
+    def _selection(
+        self, chunk: tuple[int, ...], skip: frozenset[int], device: torch.device
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per segment with at least MIN_SAMPLE of its tokens in the chunk: its index, those tokens' rows
+        in the chunk and their positions, and the positions to shift. The same for every layer of a
+        chunk (and of a pass, bar `skip`), so computed once."""
+        key = (chunk, skip)
+        found = self._selections.get(key)
+        if found is None:
+            index = {p: i for i, p in enumerate(chunk)}
+            found = []
+            for s, segment in enumerate(self.segments):
+                sample = [p for p in segment if p in index]
+                if len(sample) < MIN_SAMPLE:
+                    continue
+                rest = [p for p in segment if p not in index and p not in self.own and p not in skip]
+                found.append(
+                    (
+                        s,
+                        torch.tensor([index[p] for p in sample], device=device),
+                        torch.tensor(sample, device=device),
+                        torch.tensor(rest, dtype=torch.int64, device=device),
+                    )
+                )
+            self._selections[key] = found
+        return found
