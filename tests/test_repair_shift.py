@@ -96,3 +96,14 @@ def test_tokens_an_earlier_chunk_of_the_pass_recomputed_are_left_alone() -> None
     torch.testing.assert_close(pool_v[[2, 3]], true_v[[2, 3]], atol=0, rtol=0)
     rest = [p for p in segment if p not in (2, 3, *second.tolist())]
     torch.testing.assert_close(pool_v[rest], true_v[rest], atol=1e-5, rtol=0)
+
+
+def test_a_few_outlying_errors_do_not_move_the_shift() -> None:
+    true_k, true_v, pool_k, pool_v, positions, _ = _setup(seed=4)
+    chunk = torch.arange(0, 5)
+    k, v = _rotate(true_k[chunk], chunk), true_v[chunk].clone()
+    # One recomputed token's value error is far from the shared one (a mean would take a fifth of it).
+    v[2] += 100.0
+    SegmentShift(1.0, [tuple(range(12))]).apply(0, chunk, positions, k, v, pool_k, pool_v, FREQ)
+    torch.testing.assert_close(pool_v[5:12], true_v[5:12], atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool_k[5:12], _rotate(true_k[5:12], torch.arange(5, 12)), atol=1e-5, rtol=0)

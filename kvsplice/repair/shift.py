@@ -4,16 +4,20 @@ A reused segment's stored KV was computed after other context than the prompt's,
 the error of its tokens' KV against a full prefill's has a part they share: in the keys (before
 RoPE), 20 to 50% of the error's energy on SmolLM2's middle layers, in the values 10 to 17% (recall
 bench, 8 documents). Repair recomputes some of the segment's tokens on every layer anyway, and each of
-those shows its own error there (its new KV minus the moved KV its slot held). Their mean estimates
-the shared part, and `shift` times it is added to the segment's tokens that are not recomputed, on that
-layer, before its attention reads them: no FLOPs beyond the additions. Less than the whole mean
-(`shift` < 1) because the recomputed tokens are the ones the question reads most, not a random
-sample, and their error is larger than the segment's typical one.
+those shows its own error there (its new KV minus the moved KV its slot held). Their median, per
+coordinate, estimates the shared part, and `shift` times it is added to the segment's tokens that are
+not recomputed, on that layer, before its attention reads them: no FLOPs beyond the additions. The
+median, not the mean, because a few recomputed tokens carry errors far larger than the rest (on
+SmolLM2 the mean moved some requests' answers by over a nat). Less than the whole of it (`shift` < 1)
+because the recomputed tokens are the ones the question reads most, not a random sample, and their
+error is larger than the segment's typical one.
 
 Applied once per layer and segment in each pass of a repair that recomputes spliced tokens, at the
 first chunk of the pass that recomputes at least MIN_SAMPLE of the segment's tokens (with chunked
 prefill a segment the chunk boundary cuts is estimated from its tokens in the first chunk only).
 Keys are moved to position 0 for the mean and back to each token's position for the shift.
+
+Measured on the recall bench (docs/fidelity.md).
 """
 
 from __future__ import annotations
@@ -73,8 +77,8 @@ class SegmentShift:
             # Keys at position 0 ([n, Hkv, D]): the error shared across positions is there, not after RoPE.
             new_k = rope.rotate_by(k[rows].float(), -at, freq)
             old_k = rope.rotate_by(pool_k[slots].float(), -at, freq)
-            dk = (new_k - old_k).mean(0)  # [Hkv, D]
-            dv = (v[rows].float() - pool_v[slots].float()).mean(0)
+            dk = torch.quantile(new_k - old_k, 0.5, dim=0)  # [Hkv, D]
+            dv = torch.quantile(v[rows].float() - pool_v[slots].float(), 0.5, dim=0)
             targets = key_slots[to]
             moved = rope.rotate_by(dk.expand(len(to), -1, -1).contiguous(), to, freq)  # [r, Hkv, D]
             pool_k[targets] = (pool_k[targets].float() + self.scale * moved).to(pool_k.dtype)
