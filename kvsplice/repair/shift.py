@@ -7,17 +7,18 @@ bench, 8 documents). Repair recomputes some of the segment's tokens on every lay
 those shows its own error there (its new KV minus the moved KV its slot held). Their median, per
 coordinate, estimates the shared part, and `shift` times it is added to the segment's tokens that are
 not recomputed, on that layer, before its attention reads them: no FLOPs beyond the additions. The
-median, not the mean, because a few recomputed tokens carry errors far larger than the rest (on
-SmolLM2 the mean moved some requests' answers by over a nat). Less than the whole of it (`shift` < 1)
+median, not the mean, so that a few recomputed tokens whose error is far from the rest do not move
+the others (held out, the two did alike: docs/fidelity.md). Less than the whole of it (`shift` < 1)
 because the recomputed tokens are the ones the question reads most, not a random sample, and their
 error is larger than the segment's typical one.
 
 Applied once per layer and segment in each pass of a repair that recomputes spliced tokens, at the
 first chunk of the pass that recomputes at least MIN_SAMPLE of the segment's tokens (with chunked
 prefill a segment the chunk boundary cuts is estimated from its tokens in the first chunk only).
-Keys are moved to position 0 for the mean and back to each token's position for the shift.
+Keys are moved to position 0 for the median and back to each token's position for the shift.
 
-Measured on the recall bench (docs/fidelity.md).
+Off by default (`repair_shift` = 0): at 0.5 on top of `lead@15` it brought Gemma 3 closer to a full
+prefill on the recall bench and SmolLM2 further from it (docs/fidelity.md).
 """
 
 from __future__ import annotations
