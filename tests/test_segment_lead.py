@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvsplice import LLM, RequestOptions, SamplingParams, Segment
-from kvsplice.cache.segments import SegmentStore
+from kvsplice.cache.segments import SegmentEntry, SegmentStore
 from kvsplice.kv.allocator import BlockAllocator
 from kvsplice.reuse.prefill import LEAD_HEAD_TOKENS
 
@@ -35,6 +35,21 @@ def _warm(**config) -> LLM:
     while llm.engine.has_unfinished():  # the store work, after the request
         llm.engine.step()
     return llm
+
+
+def _drop_doc_a_lead(llm: LLM) -> tuple[SegmentEntry, SegmentEntry]:
+    """Both documents used, DOC_A first, then one reclaim: DOC_A's lead KV, the least recently used (a
+    lookup touches an entry's lead KV just before the entry), goes; both entries stay."""
+    store = llm.engine.segment_store
+    doc_b, doc_a = (store.peek(*key) for key in list(store._entries))  # the warm prompt had DOC_B first
+    assert doc_a is not None and doc_b is not None
+    assert llm.tokenizer.decode(list(doc_a.key[1])) == DOC_A
+    store.lookup(*doc_a.key)
+    store.lookup(*doc_b.key)
+    store.reclaim_one()
+    assert doc_a.lead_blocks is None and doc_b.lead_blocks is not None
+    assert len(store) == 2 and store.stats.lead_evictions == 1 and store.stats.evictions == 0
+    return doc_a, doc_b
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +119,9 @@ def test_an_evicted_entry_gives_its_lead_blocks_back() -> None:
 A, B = (1, 2, 3, 4, 5), (6, 7, 8, 9, 10)
 
 
-def _store_with_leads(reuse_first_inside: bool) -> tuple[BlockAllocator, SegmentStore]:
-    """A store (10 blocks of 4 tokens) holding A and B, 2 blocks each, each with 2 blocks of lead KV:
-    8 blocks held, 2 free. Then A is looked up again: inside a prompt (its lead KV not used) or at a
-    prompt's start (its lead KV used)."""
+def _store_with_leads() -> tuple[BlockAllocator, SegmentStore]:
+    """A store (10 blocks of 4 tokens) holding A and B, 2 blocks each, each with 2 blocks of lead KV
+    attached after it was inserted: 8 blocks held, 2 free; A's lead KV is older than B."""
     allocator = BlockAllocator(10, 4)
     store = SegmentStore(allocator, ())
     for tokens in (A, B):
@@ -115,36 +129,40 @@ def _store_with_leads(reuse_first_inside: bool) -> tuple[BlockAllocator, Segment
         entry = store.peek("ns", tokens)
         assert entry is not None
         store.attach_lead(entry, allocator.allocate(2), (0,))
-    entry = store.lookup("ns", A)
-    assert entry is not None
-    if not reuse_first_inside:
-        store.lead_hit(entry)
     return allocator, store
 
 
-def test_lead_kv_is_evicted_on_its_own_clock() -> None:
-    """Least recently used first, over entries and lead KVs alike: A's lead KV, unused since it was
-    attached, goes before B (last touched after it), and A stays; then B goes whole."""
-    allocator, store = _store_with_leads(reuse_first_inside=True)
+def test_a_lead_kv_goes_before_its_entry() -> None:
+    """Least recently used first, over entries and lead KVs alike; a lookup touches the entry's lead KV
+    just before the entry: A's lead KV goes first, then A, while B keeps both."""
+    allocator, store = _store_with_leads()
+    store.lookup("ns", A)
+    store.lookup("ns", B)
     allocator.allocate(4)  # 2 more than are free: one reclaim of 2 blocks
     a, b = store.peek("ns", A), store.peek("ns", B)
     assert a is not None and a.lead_blocks is None and a.lead_head == ()
     assert b is not None and b.lead_blocks is not None
     assert store.stats.lead_evictions == 1 and store.stats.evictions == 0
     allocator.allocate(2)
-    assert store.peek("ns", B) is None and store.stats.evictions == 1
-    assert store.peek("ns", A) is not None
+    assert store.peek("ns", A) is None and store.stats.evictions == 1
+    b = store.peek("ns", B)
+    assert b is not None and b.lead_blocks is not None
     allocator.check_invariants()
 
 
-def test_a_used_lead_kv_outlives_an_unused_entry() -> None:
-    """A prompt that opened with A used its lead KV: B, older, goes whole first (its lead KV with it)."""
-    allocator, store = _store_with_leads(reuse_first_inside=False)
-    assert store.stats.lead_hit_tokens == len(A)
+@pytest.mark.parametrize("at_start", [False, True])
+def test_a_segment_reused_anywhere_keeps_its_lead_kv_over_an_older_entry(at_start: bool) -> None:
+    """A reused inside a prompt (its lead KV not read) or at a prompt's start (read): B, older, goes whole
+    first (its lead KV with it), and A keeps its lead KV, which a later prompt may open with."""
+    allocator, store = _store_with_leads()
+    a = store.lookup("ns", A)
+    assert a is not None
+    if at_start:
+        store.lead_hit(a)
+        assert store.stats.lead_hit_tokens == len(A)
     allocator.allocate(4)
     assert store.peek("ns", B) is None and store.stats.evictions == 1
-    a = store.peek("ns", A)
-    assert a is not None and a.lead_blocks is not None and store.stats.lead_evictions == 0
+    assert a.lead_blocks is not None and store.stats.lead_evictions == 0
     assert allocator.num_free == 2  # B's 4 blocks, 2 of them taken
     allocator.check_invariants()
 
@@ -152,17 +170,8 @@ def test_a_used_lead_kv_outlives_an_unused_entry() -> None:
 @pytest.mark.slow
 def test_a_dropped_lead_kv_is_computed_again_where_a_prompt_opens_with_it(default_model_dir) -> None:
     llm = _warm()
-    store = llm.engine.segment_store
-    doc_b, doc_a = (store.lookup(*key) for key in list(store._entries))  # the warm prompt had DOC_B first
-    assert doc_a is not None and doc_b is not None
-    assert doc_a.lead_blocks is not None and doc_b.lead_blocks is not None
-    assert llm.tokenizer.decode(list(doc_a.key[1])) == DOC_A
-    # Both entries used since their lead KVs were attached, and DOC_B's lead KV after them: DOC_A's
-    # lead KV is the least recently used. (DOC_A, unlike DOC_B, is not in the prefix cache after HEAD.)
-    store.lead_hit(doc_b)
-    store.reclaim_one()
-    assert doc_a.lead_blocks is None and doc_b.lead_blocks is not None
-    assert len(store) == 2 and store.stats.lead_evictions == 1 and store.stats.evictions == 0
+    # (DOC_A, unlike DOC_B, is not in the prefix cache after HEAD.)
+    doc_a, _ = _drop_doc_a_lead(llm)
     first = llm.generate([[HEAD, Segment(DOC_A), QUESTION]], PARAMS)[0]
     assert first.metrics.segment_hit_tokens > 0 and first.metrics.segment_lead_tokens == 0
     while llm.engine.has_unfinished():  # the lead KV, after this prompt's head
@@ -177,13 +186,8 @@ def test_a_dropped_lead_kv_is_computed_again_where_a_prompt_opens_with_it(defaul
 @pytest.mark.slow
 def test_prompts_admitted_together_queue_one_lead_fill(default_model_dir) -> None:
     llm = _warm()
-    store, work = llm.engine.segment_store, llm.engine.store_work
-    doc_b, doc_a = (store.lookup(*key) for key in list(store._entries))  # the warm prompt had DOC_B first
-    assert doc_a is not None and doc_b is not None
-    assert llm.tokenizer.decode(list(doc_a.key[1])) == DOC_A
-    store.lead_hit(doc_b)
-    store.reclaim_one()  # the least recently used: DOC_A's lead KV
-    assert doc_a.lead_blocks is None and store.stats.evictions == 0
+    work = llm.engine.store_work
+    doc_a, _ = _drop_doc_a_lead(llm)
     # Both prompts open with DOC_A, so both prefills report its lead KV missing; one fill computes it.
     prompts = [[HEAD, Segment(DOC_A), q] for q in (QUESTION, "Question: Where is the observatory?\nAnswer:")]
     llm.generate(prompts, PARAMS)
@@ -218,12 +222,7 @@ def test_a_segment_with_lead_kv_is_not_taken_from_an_earlier_prompts_approximate
     default_model_dir, llm: LLM
 ) -> None:
     llm_ = _warm()
-    store = llm_.engine.segment_store
-    doc_b, doc_a = (store.lookup(*key) for key in list(store._entries))  # the warm prompt had DOC_B first
-    assert doc_a is not None and doc_b is not None
-    store.lead_hit(doc_b)
-    store.reclaim_one()  # DOC_A's lead KV
-    assert doc_a.lead_blocks is None
+    doc_a, _ = _drop_doc_a_lead(llm_)
     # DOC_A opens this prompt without lead KV: spliced from its mean KV and repaired for this question,
     # then cached under segment keys.
     first = llm_.generate([[HEAD, Segment(DOC_A), Segment(DOC_B), QUESTION]], PARAMS)[0]
