@@ -17,15 +17,16 @@ per block, and is a `Reclaimer` the allocator asks to drop least recently used e
 runs short. Keys are (namespace, token ids): tenants with different salts share nothing (the
 canonical context is public text, shared by all).
 
-An entry's lead KV (its KV at a prompt's start, EngineConfig.segment_lead_kv) is a second copy, kept
-on a clock of its own, which every use of the entry moves as well as every prompt spliced from it: a
-segment reused anywhere may open the next prompt (in a RAG workload a document opens one prompt in
-as many as it has documents), and a lead KV that aged only by those openings was dropped before the
-whole prompts the prefix cache kept of one-off requests (recall, 8 documents, SmolLM2: 113 of 100
-requests' lead KVs, and the first document of one request in seven spliced from the approximate
-mean KV instead). When memory runs short the least recently used of all entries and all lead KVs
-goes first; an entry's lead KV is touched just before the entry, so of the two it goes first, and
-evicting an entry drops its lead KV with it.
+An entry's lead KV (its KV at a prompt's start, EngineConfig.segment_lead_kv) is a second copy, on a
+clock of its own that every use of the entry moves, as well as every prompt spliced from it: a
+segment reused anywhere may open the next prompt (in a RAG workload a document opens about one in as
+many prompts as they have documents). A lead KV that aged only by those openings went before the
+whole prompts the prefix cache keeps of one-off requests: on recall (SmolLM2, 8 documents, 100
+requests, a 5 GiB pool) 23 were dropped, and 10 requests took their first document from neither lead
+KV nor the prefix cache; moved by every use, none was dropped and every request took it from one of
+them (bench/results/recall_smollm2_8docs_lead_clock). When memory runs short the least recently
+used of all entries and all lead KVs goes first; a lookup touches the lead KV just before its entry,
+so of the two it goes first, and evicting an entry drops its lead KV with it.
 """
 
 from __future__ import annotations
