@@ -37,7 +37,7 @@ def _warm(**config) -> LLM:
     return llm
 
 
-def _drop_doc_a_lead(llm: LLM) -> tuple[SegmentEntry, SegmentEntry]:
+def _drop_doc_a_lead(llm: LLM) -> SegmentEntry:
     """Both documents used, DOC_A first, then one reclaim: DOC_A's lead KV, the least recently used (a
     lookup touches an entry's lead KV just before the entry), goes; both entries stay."""
     store = llm.engine.segment_store
@@ -49,7 +49,7 @@ def _drop_doc_a_lead(llm: LLM) -> tuple[SegmentEntry, SegmentEntry]:
     store.reclaim_one()
     assert doc_a.lead_blocks is None and doc_b.lead_blocks is not None
     assert len(store) == 2 and store.stats.lead_evictions == 1 and store.stats.evictions == 0
-    return doc_a, doc_b
+    return doc_a
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_a_segment_reused_anywhere_keeps_its_lead_kv_over_an_older_entry(at_star
 def test_a_dropped_lead_kv_is_computed_again_where_a_prompt_opens_with_it(default_model_dir) -> None:
     llm = _warm()
     # (DOC_A, unlike DOC_B, is not in the prefix cache after HEAD.)
-    doc_a, _ = _drop_doc_a_lead(llm)
+    doc_a = _drop_doc_a_lead(llm)
     first = llm.generate([[HEAD, Segment(DOC_A), QUESTION]], PARAMS)[0]
     assert first.metrics.segment_hit_tokens > 0 and first.metrics.segment_lead_tokens == 0
     while llm.engine.has_unfinished():  # the lead KV, after this prompt's head
@@ -187,7 +187,7 @@ def test_a_dropped_lead_kv_is_computed_again_where_a_prompt_opens_with_it(defaul
 def test_prompts_admitted_together_queue_one_lead_fill(default_model_dir) -> None:
     llm = _warm()
     work = llm.engine.store_work
-    doc_a, _ = _drop_doc_a_lead(llm)
+    doc_a = _drop_doc_a_lead(llm)
     # Both prompts open with DOC_A, so both prefills report its lead KV missing; one fill computes it.
     prompts = [[HEAD, Segment(DOC_A), q] for q in (QUESTION, "Question: Where is the observatory?\nAnswer:")]
     llm.generate(prompts, PARAMS)
@@ -222,7 +222,7 @@ def test_a_segment_with_lead_kv_is_not_taken_from_an_earlier_prompts_approximate
     default_model_dir, llm: LLM
 ) -> None:
     llm_ = _warm()
-    doc_a, _ = _drop_doc_a_lead(llm_)
+    doc_a = _drop_doc_a_lead(llm_)
     # DOC_A opens this prompt without lead KV: spliced from its mean KV and repaired for this question,
     # then cached under segment keys.
     first = llm_.generate([[HEAD, Segment(DOC_A), Segment(DOC_B), QUESTION]], PARAMS)[0]
