@@ -17,9 +17,13 @@ first chunk of the pass that recomputes at least MIN_SAMPLE of the segment's tok
 prefill a segment the chunk boundary cuts is estimated from its tokens in the first chunk only).
 Keys are moved to position 0 for the median and back to each token's position for the shift.
 
-Its default depends on the model family (`default_shift`): at 0.5 on top of `lead@15` it brought
-Gemma 3 closer to a full prefill on the recall bench, on every held-out seed, and SmolLM2 further
-from it (docs/fidelity.md).
+Off by default (`repair_shift` = 0): at 0.5 on top of `lead@15` it brought Gemma 3 closer to a full
+prefill on the recall bench, on every held-out seed, and SmolLM2 further from it (docs/fidelity.md).
+Nor is it Gemma 3's default alone: its estimate depends on where chunks of the pass begin, and so a
+request's logits on how the scheduler cut its prefill (max_num_batched_tokens, and the other
+prefills of the step). With it at 0.5 as the default, tests/test_scheduler.py's chunk-size test failed
+on a tiny Gemma 3 (logits apart by up to 0.18 between chunk sizes) for `deviation`, `query` and
+`lead`: under concurrent traffic a request's answer would depend on what else runs.
 """
 
 from __future__ import annotations
@@ -30,23 +34,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsplice.kv import rope
-from kvsplice.model_config import ModelConfig
-
-# The segment shift per model family (config.json's architecture), where measurement chose one; 0
-# elsewhere. Gemma 3 (recall, lead@15, 100 held-out requests per run, paired against no shift): 8
-# documents, seed 3 KL 0.0215 -> 0.0158 (-0.0057 [-0.0084, -0.0032]), seed 4 0.0247 -> 0.0207 (-0.0040
-# [-0.0065, -0.0020]), seed 7 0.0286 -> 0.0247 (-0.0039 [-0.0069, -0.0005]); 12 documents, seed 7
-# 0.0157 -> 0.0132 (-0.0025 [-0.0035, -0.0015], lower on 81 of 100); the same accuracy within a
-# request, p50 TTFT 13 to 14% longer (bench/results/recall_gemma_*docs_shift_s7_n100). SmolLM2 (Llama) on
-# seeds 3 and 4 went further from a full prefill (seed 4 0.054 -> 0.076, +0.023 [+0.008, +0.039]), so
-# the Llama family stays at 0.
-FAMILY_SHIFT = {"Gemma3ForCausalLM": 0.5}
-
-
-def default_shift(cfg: ModelConfig) -> float:
-    """The segment shift a model's engine repairs with unless told otherwise (EngineConfig.repair_shift)."""
-    return FAMILY_SHIFT.get(cfg.architecture, 0.0)
-
 
 # Fewer recomputed tokens than this in a segment estimate its shared error too poorly to move the rest.
 MIN_SAMPLE = 4
