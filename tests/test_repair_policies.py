@@ -281,7 +281,8 @@ def test_leads_choice_is_the_oracles_and_nested_in_its_budget(case, data) -> Non
     from kvsplice.repair.query import LEAD_SHARE, lead_choice
 
     n, prefix, segments = case
-    # The first segment spliced from its lead KV (computed at a prompt's start) does not lead.
+    # The first segment spliced from its lead KV (computed at a prompt's start) neither leads nor is
+    # ever chosen: its KV is exact.
     lead_kv = data.draw(st.booleans())
     plan = make_plan(n, prefix, segments, lead_kv=frozenset({0} if lead_kv else ()))
     spliced = plan.positions(SpanKind.SPLICED)
@@ -290,13 +291,15 @@ def test_leads_choice_is_the_oracles_and_nested_in_its_budget(case, data) -> Non
     # Distinct scores: with ties the choice among equals is topk's, which no oracle can name.
     score = torch.tensor(data.draw(st.permutations(range(n))), dtype=torch.float32)
     first = plan.spliced()[0]
+    exact = set(range(first.start, first.end)) if first.segment == 0 and lead_kv else set()
+    candidates = [p for p in spliced if p not in exact]
     earlier: set[int] = set()
-    for budget in range(len(spliced) + 1):
+    for budget in range(len(candidates) + 1):
         led: list[int] = []
         if first.segment == 0 and not lead_kv:
             own = sorted(range(first.start, first.end), key=lambda p: -score[p])
             led = own[: int(LEAD_SHARE * budget)]
-        rest = sorted((p for p in spliced if p not in led), key=lambda p: -score[p])
+        rest = sorted((p for p in candidates if p not in led), key=lambda p: -score[p])
         want = tuple(sorted(led + rest[: budget - len(led)]))
         got = lead_choice(plan, score, budget)
         assert got == want
@@ -363,3 +366,25 @@ def test_each_adaptive_round_leaves_alone_what_earlier_rounds_recomputed() -> No
     round_one = frozenset((*range(44, 51), *range(93, 101)))
     assert set(first.positions) >= round_one and first.shift.fresh == dict.fromkeys(range(4), frozenset())
     assert second.shift.fresh == dict.fromkeys(range(4), round_one)
+
+
+@pytest.mark.parametrize("name", ["boundary", "recency", "deviation", "query", "lead", "adaptive"])
+@pytest.mark.parametrize("budget", [1, 3, 6])
+def test_no_policy_recomputes_tokens_spliced_from_lead_kv(name: str, budget: int) -> None:
+    """A segment spliced from its lead KV computed after the same head holds a full prefill's KV: budget
+    spent on it would change nothing. The question's probe attends to it most here."""
+    # Positions 0-1 computed (the head), 2-6 spliced from lead KV, 7-9 spliced, 10-11 the question.
+    plan = make_plan(12, 0, [(2, 7, 0), (7, 10, 1)], lead_kv=frozenset({0}))
+    assert plan.stale() == [7, 8, 9]
+    policy = make_policy(name)
+    task = RepairTask(plan, budget, num_layers=4, model=_tiny_llama(), target=0.01)
+    decision = policy.decide(task)
+    chosen = decision.recompute
+    if decision.probe is not None:
+        probe = decision.probe
+        assert set(probe.positions) <= {7, 8, 9}, "nor probes them"
+        probe.observer.score = torch.tensor([9.0, 9, 8, 8, 8, 8, 8, 0.1, 0.3, 0.2, 9, 9])  # type: ignore[attr-defined]
+        chosen = policy.choose(task, probe, torch.zeros(4))
+    assert chosen, f"{name} recomputes something within a budget of {budget}"
+    assert set(chosen) <= {7, 8, 9}
+    assert len(chosen) <= budget or not policy.budgeted

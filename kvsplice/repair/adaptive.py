@@ -12,8 +12,9 @@ distributions of two successive rounds of repair. The rounds:
   2. ... each later round recomputes `lead`'s choice at twice the share, the earlier rounds' tokens
      with it, until two successive estimates differ by at most `target`.
 
-A repair that has not converged by `FALLBACK_SHARE` of the reused tokens is not trusted: the last
-round recomputes every reused token at once, which equals a full prefill. Successive estimates
+Reused tokens here are those with approximate KV (plan.stale(): not a lead KV computed after the
+same head, which is exact). A repair that has not converged by `FALLBACK_SHARE` of them is not
+trusted: the last round recomputes every one at once, which equals a full prefill. Successive estimates
 converging is evidence, not proof, that the answer is close to a full prefill's; the bench measures
 how close (kvsplice bench recall).
 
@@ -73,22 +74,24 @@ class AdaptiveRepair(RepairPolicy):
         self._last: torch.Tensor | None = None
 
     def decide(self, task: RepairTask) -> RepairDecision:
-        if not task.plan.positions(SpanKind.SPLICED):
+        if not task.plan.stale():
             return RepairDecision()
         # Through every layer: the probe's logits are the first estimate.
         return RepairDecision(probe=question_probe(task, task.num_layers - 1))
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, QueryAttentionObserver) and logits is not None
-        spliced = task.plan.positions(SpanKind.SPLICED)
+        stale = task.plan.stale()
         self._score = probe.observer.score
         self._last = logits
-        if coverage(self._score[spliced], COVERAGE_SHARE) < TRUSTED_COVERAGE:
-            return self._take(task, len(spliced))
-        return self._take(task, max(1, math.ceil(FIRST_SHARE * len(spliced))))
+        if coverage(self._score[stale], COVERAGE_SHARE) < TRUSTED_COVERAGE:
+            return self._take(task, len(stale))
+        # lead@15's choice: a share of every reused token (lead KV too), spent on the stale ones.
+        first = math.ceil(FIRST_SHARE * task.plan.tokens(SpanKind.SPLICED))
+        return self._take(task, min(len(stale), max(1, first)))
 
     def refine(self, task: RepairTask, logits: torch.Tensor) -> tuple[int, ...] | None:
-        taken, total = len(self._taken), task.plan.tokens(SpanKind.SPLICED)
+        taken, total = len(self._taken), len(task.plan.stale())
         if self._last is None or taken == total or kl_divergence(logits, self._last) <= task.target:
             # (No estimate yet: nothing was spliced, so there was no probe.)
             return None

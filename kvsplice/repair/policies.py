@@ -30,12 +30,13 @@ class FullRepair(RepairPolicy):
 
 class BoundaryRepair(RepairPolicy):
     """EPIC's LegoLink: recompute the first tokens of every reused segment, where the attention-sink
-    behaviour a segment learnt on its own distorts the KV most; the budget is split evenly."""
+    behaviour a segment learnt on its own distorts the KV most; the budget is split evenly (over the
+    segments with approximate KV: a lead KV computed after the same head is exact)."""
 
     name = "boundary"
 
     def decide(self, task: RepairTask) -> RepairDecision:
-        spans = task.plan.spliced()
+        spans = [s for s in task.plan.spliced() if not s.lead_kv]
         if not spans or task.budget <= 0:
             return RepairDecision()
         share, extra = divmod(task.budget, len(spans))
@@ -84,14 +85,15 @@ class DeviationRepair(RepairPolicy):
         self.probe_layer = probe_layer
 
     def decide(self, task: RepairTask) -> RepairDecision:
-        spliced = tuple(task.plan.positions(SpanKind.SPLICED))
-        if not spliced or task.budget <= 0:
+        # Not the tokens spliced from lead KV: exact, they would only cost the probe.
+        stale = tuple(task.plan.stale())
+        if not stale or task.budget <= 0:
             return RepairDecision()
-        if task.budget >= len(spliced):
-            return RepairDecision(spliced)
+        if task.budget >= len(stale):
+            return RepairDecision(stale)
         last = min(self.probe_layer, task.num_layers - 1)
-        observer = DeviationObserver(spliced, frozenset({last}), task.plan.num_tokens)
-        return RepairDecision(probe=Probe(spliced, last, observer))
+        observer = DeviationObserver(stale, frozenset({last}), task.plan.num_tokens)
+        return RepairDecision(probe=Probe(stale, last, observer))
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, DeviationObserver)
@@ -116,6 +118,6 @@ class RecencyRepair(RepairPolicy):
     name = "recency"
 
     def decide(self, task: RepairTask) -> RepairDecision:
-        spliced = task.plan.positions(SpanKind.SPLICED)
+        stale = task.plan.stale()
         budget = task.budget
-        return RepairDecision(tuple(spliced[len(spliced) - budget :]) if budget > 0 else ())
+        return RepairDecision(tuple(stale[len(stale) - budget :]) if budget > 0 else ())

@@ -25,7 +25,7 @@ import torch
 from kvsplice.kv.context import ForwardContext
 from kvsplice.model_config import ModelConfig
 from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask
-from kvsplice.reuse.plan import Plan, SpanKind
+from kvsplice.reuse.plan import Plan
 
 
 class QueryAttentionObserver:
@@ -96,12 +96,11 @@ class QueryRepair(RepairPolicy):
     name = "query"
 
     def decide(self, task: RepairTask) -> RepairDecision:
-        plan = task.plan
-        spliced = plan.positions(SpanKind.SPLICED)
-        if not spliced or task.budget <= 0:
+        stale = task.plan.stale()
+        if not stale or task.budget <= 0:
             return RepairDecision()
-        if task.budget >= len(spliced):
-            return RepairDecision(tuple(spliced))
+        if task.budget >= len(stale):
+            return RepairDecision(tuple(stale))
         assert task.model is not None, "the query policy needs the model's layer types"
         return RepairDecision(probe=question_probe(task, max(probe_layers(task.model))))
 
@@ -155,7 +154,9 @@ def lead_choice(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]
 
 
 def most_attended(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]:
-    """The `budget` spliced positions (sorted) with the highest `score` [prompt tokens]."""
-    spliced = torch.tensor(plan.positions(SpanKind.SPLICED))
-    top = torch.topk(score[spliced], min(budget, len(spliced))).indices
-    return tuple(sorted(spliced[top].tolist()))
+    """The `budget` stale spliced positions (sorted) with the highest `score` [prompt tokens]. Never a
+    token spliced from lead KV computed after the same head: the question attends to the prompt's first
+    segment much, and its exact KV would only be computed again (plan.stale())."""
+    stale = torch.tensor(plan.stale(), dtype=torch.long)
+    top = torch.topk(score[stale], min(budget, len(stale))).indices
+    return tuple(sorted(stale[top].tolist()))

@@ -65,6 +65,11 @@ class Plan:
     def spliced(self) -> list[Span]:
         return [s for s in self.spans if s.kind is SpanKind.SPLICED]
 
+    def stale(self) -> list[int]:
+        """The spliced positions whose KV is approximate: all but those spliced from lead KV computed
+        after the very tokens before them (a full prefill's KV, which repair would only compute again)."""
+        return [p for s in self.spliced() if not s.lead_kv for p in range(s.start, s.end)]
+
     def question(self) -> tuple[int, ...]:
         """The computed tokens after the last spliced one and from `question_from` on (never empty: the
         last prompt token is computed): what a query-aware repair probes with and runs again."""

@@ -213,8 +213,7 @@ class Prefill:
         lead KV computed after the very tokens before it: it and every later token read stale KV);
         None if all KV is exact. Known once the work is done."""
         assert self.repair.recomputed is not None
-        lead = {p for s in self.plan.spliced() if s.lead_kv for p in range(s.start, s.end)}
-        stale = sorted(set(self.plan.positions(SpanKind.SPLICED)) - set(self.repair.recomputed) - lead)
+        stale = sorted(set(self.plan.stale()) - set(self.repair.recomputed))
         return stale[0] if stale else None
 
 
