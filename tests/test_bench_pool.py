@@ -108,3 +108,16 @@ def test_the_command_reads_run_directories(tmp_path: Path, capsys) -> None:
     pool.main([*dirs, "--system", SYSTEM])
     out = capsys.readouterr().out
     assert "`splice:lead@15` against the full prefill" in out and "| 7 (1, 2) |" in out
+
+
+def test_the_command_says_why_runs_do_not_pool(tmp_path: Path, capsys) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        _result(A, 1).write_json(tmp_path / name / "results.json")
+    with pytest.raises(SystemExit) as exit_:
+        pool.main([str(tmp_path / "a"), str(tmp_path / "b"), "--system", SYSTEM])
+    assert exit_.value.code == 2
+    assert "seed 1 measured the same requests" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pool.main([str(tmp_path / "missing"), "--system", SYSTEM])
+    assert "No such file" in capsys.readouterr().err

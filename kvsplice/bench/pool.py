@@ -177,8 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories, each with a results.json")
     parser.add_argument("--system", required=True, help="the splice system to pool, e.g. splice:lead@15")
     args = parser.parse_args(argv)
-    runs = [BenchResult.from_json((d / "results.json").read_text()) for d in args.runs]
-    print(table(pool(runs, args.system), args.system))
+    try:
+        runs = [BenchResult.from_json((d / "results.json").read_text()) for d in args.runs]
+        rows = pool(runs, args.system)
+    except (ValueError, OSError) as err:
+        # Runs that do not pool, or a directory without results: the user's mistake, one line.
+        parser.error(str(err))
+    print(table(rows, args.system))
 
 
 if __name__ == "__main__":
