@@ -4,9 +4,14 @@ RoPE written out here as a rotation of complex pairs, independently of kvsplice.
 
 from __future__ import annotations
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvsplice.models.runner import ForwardResult
 from kvsplice.repair.shift import MIN_SAMPLE, SegmentShift
+from kvsplice.reuse.work import Pass, PrefillWork
 
 H, D = 2, 8
 FREQ = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))  # [D/2]
@@ -32,12 +37,24 @@ def _setup(n: int = 20, seed: int = 0):
     return true_k, true_v, pool_k, pool_v, positions, (ck, cv)
 
 
+def _shift(scale: float, segments: list[tuple[int, ...]], own, layers: int = 1, **fresh) -> SegmentShift:
+    """A pass's shift that recomputes `own` (a tensor or positions) on `layers` layers, nothing fresh
+    unless `fresh` gives a layer's (as fresh0=...)."""
+    positions = frozenset(own.tolist() if isinstance(own, torch.Tensor) else own)
+    return SegmentShift(
+        scale,
+        segments,
+        own=positions,
+        fresh={layer: frozenset(fresh.get(f"fresh{layer}", ())) for layer in range(layers)},
+    )
+
+
 def test_a_shared_error_is_moved_onto_the_other_tokens() -> None:
     true_k, true_v, pool_k, pool_v, positions, _ = _setup()
     segment = tuple(range(2, 18))
     chunk = torch.tensor([3, 5, 8, 11, 19])  # 4 of the segment's tokens and one computed token
     k, v = _rotate(true_k[chunk], chunk), true_v[chunk]
-    SegmentShift(1.0, [segment]).apply(0, chunk, positions, k, v, pool_k, pool_v, FREQ)
+    _shift(1.0, [segment], chunk).apply(0, chunk, positions, k, v, pool_k, pool_v, FREQ)
     rest = [p for p in segment if p not in chunk.tolist()]
     torch.testing.assert_close(pool_k[rest], _rotate(true_k[rest], torch.tensor(rest)), atol=1e-5, rtol=0)
     torch.testing.assert_close(pool_v[rest], true_v[rest], atol=1e-5, rtol=0)
@@ -51,7 +68,7 @@ def test_a_shared_error_is_moved_onto_the_other_tokens() -> None:
 def test_the_scale_moves_part_of_the_way() -> None:
     true_k, true_v, pool_k, pool_v, positions, (ck, cv) = _setup(seed=1)
     chunk = torch.tensor([0, 1, 2, 3])
-    SegmentShift(0.5, [tuple(range(10))]).apply(
+    _shift(0.5, [tuple(range(10))], chunk).apply(
         0, chunk, positions, _rotate(true_k[chunk], chunk), true_v[chunk], pool_k, pool_v, FREQ
     )
     # Half the shared error is left on the other tokens, in the keys before RoPE and in the values.
@@ -61,41 +78,47 @@ def test_the_scale_moves_part_of_the_way() -> None:
     torch.testing.assert_close(left_v, (cv / 2).expand_as(left_v), atol=1e-5, rtol=0)
 
 
-def test_too_small_a_sample_fresh_tokens_and_a_second_chunk_leave_the_kv_alone() -> None:
+def test_too_small_a_sample_and_fresh_tokens_are_left_alone_once_per_layer() -> None:
     true_k, true_v, pool_k, pool_v, positions, _ = _setup(seed=2)
+    _, _, before_k, before_v, _, _ = _setup(seed=2)
     segment = tuple(range(2, 18))
     few = torch.arange(2, 2 + MIN_SAMPLE - 1)
-    shift = SegmentShift(1.0, [segment], fresh={0: frozenset({15, 16})})
-    shift.apply(0, few, positions, _rotate(true_k[few], few), true_v[few], pool_k, pool_v, FREQ)
-    _, _, before_k, before_v, _, _ = _setup(seed=2)
+    _shift(1.0, [segment], few).apply(
+        0, few, positions, _rotate(true_k[few], few), true_v[few], pool_k, pool_v, FREQ
+    )
     assert torch.equal(pool_k, before_k) and torch.equal(pool_v, before_v)
     chunk = torch.arange(5, 5 + MIN_SAMPLE)
+    shift = _shift(1.0, [segment], chunk, layers=2, fresh0={15, 16})
     shift.apply(0, chunk, positions, _rotate(true_k[chunk], chunk), true_v[chunk], pool_k, pool_v, FREQ)
     # Recomputed on this layer by an earlier pass: left alone; the others are moved.
     assert torch.equal(pool_v[[15, 16]], before_v[[15, 16]])
     torch.testing.assert_close(pool_v[[2, 3, 4, 9, 17]], true_v[[2, 3, 4, 9, 17]], atol=1e-5, rtol=0)
     moved = pool_v.clone()
-    later = torch.arange(10, 10 + MIN_SAMPLE)
     shift.apply(
-        0, later, positions, _rotate(true_k[later], later) + 1, true_v[later] + 1, pool_k, pool_v, FREQ
+        0, chunk, positions, _rotate(true_k[chunk], chunk) + 1, true_v[chunk] + 1, pool_k, pool_v, FREQ
     )
     assert torch.equal(pool_v, moved), "once per layer and segment"
-    shift.apply(1, later, positions, _rotate(true_k[later], later), true_v[later], pool_k, pool_v, FREQ)
+    shift.apply(1, chunk, positions, _rotate(true_k[chunk], chunk), true_v[chunk] + 1, pool_k, pool_v, FREQ)
     assert not torch.equal(pool_v, moved), "another layer is shifted on its own"
 
 
-def test_tokens_an_earlier_chunk_of_the_pass_recomputed_are_left_alone() -> None:
+def test_a_pass_names_the_samples_its_chunks_must_not_cut_and_refuses_a_cut_one() -> None:
     true_k, true_v, pool_k, pool_v, positions, _ = _setup(seed=3)
-    segment = tuple(range(2, 18))
-    first, second = torch.tensor([2, 3]), torch.arange(10, 10 + MIN_SAMPLE)
-    shift = SegmentShift(1.0, [segment], own=frozenset([*first.tolist(), *second.tolist()]))
-    shift.apply(0, first, positions, _rotate(true_k[first], first), true_v[first], pool_k, pool_v, FREQ)
-    # The first chunk writes its own KV (the attention does, after the shift).
-    pool_k[first], pool_v[first] = _rotate(true_k[first], first), true_v[first]
-    shift.apply(0, second, positions, _rotate(true_k[second], second), true_v[second], pool_k, pool_v, FREQ)
-    torch.testing.assert_close(pool_v[[2, 3]], true_v[[2, 3]], atol=0, rtol=0)
-    rest = [p for p in segment if p not in (2, 3, *second.tolist())]
-    torch.testing.assert_close(pool_v[rest], true_v[rest], atol=1e-5, rtol=0)
+    first, second = (2, 5, 7, 9), (12, 13, 14, 15)
+    # A sample per segment, a segment with too few recomputed tokens, one with nothing left to shift
+    # on any layer (every other token fresh there), and one with something left on one layer.
+    shift = _shift(1.0, [tuple(range(2, 11)), tuple(range(11, 16))], [*first, *second, 19], layers=2)
+    assert shift.whole() == [(2, 9), (12, 15)]
+    few = _shift(1.0, [tuple(range(2, 11))], [2, 5, 7])
+    assert few.whole() == []
+    rest = {3, 4, 6, 8, 10}
+    spent = _shift(1.0, [tuple(range(2, 11))], first, layers=2, fresh0=rest, fresh1=rest)
+    assert spent.whole() == []
+    half = _shift(1.0, [tuple(range(2, 11))], first, layers=2, fresh0=rest)
+    assert half.whole() == [(2, 9)]
+    cut = torch.tensor([2, 5])
+    with pytest.raises(AssertionError, match="cuts no sample"):
+        shift.apply(0, cut, positions, _rotate(true_k[cut], cut), true_v[cut], pool_k, pool_v, FREQ)
 
 
 def test_a_few_outlying_errors_do_not_move_the_shift() -> None:
@@ -104,6 +127,36 @@ def test_a_few_outlying_errors_do_not_move_the_shift() -> None:
     k, v = _rotate(true_k[chunk], chunk), true_v[chunk].clone()
     # One recomputed token's value error is far from the shared one (a mean would take a fifth of it).
     v[2] += 100.0
-    SegmentShift(1.0, [tuple(range(12))]).apply(0, chunk, positions, k, v, pool_k, pool_v, FREQ)
+    _shift(1.0, [tuple(range(12))], chunk).apply(0, chunk, positions, k, v, pool_k, pool_v, FREQ)
     torch.testing.assert_close(pool_v[5:12], true_v[5:12], atol=1e-5, rtol=0)
     torch.testing.assert_close(pool_k[5:12], _rotate(true_k[5:12], torch.arange(5, 12)), atol=1e-5, rtol=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_chunks_of_a_pass_with_the_shift_never_cut_a_sample(data: st.DataObject) -> None:
+    """Chunk by chunk at random grants, a pass's chunks end anywhere but inside a sample (brute force:
+    every chunk holds all or none of each sample), hold at most the grant unless a sample that starts
+    the chunk is longer, and then exactly that sample."""
+    size = data.draw(st.integers(8, 60))
+    cuts = sorted(data.draw(st.sets(st.integers(1, size - 1), max_size=6)))
+    bounds = list(zip([0, *cuts], [*cuts, size], strict=True))
+    segments = [tuple(range(a, b)) for a, b in bounds]
+    own = frozenset(p for p in range(size) if data.draw(st.booleans()))
+    shift = _shift(1.0, segments, own | {size})
+    positions = tuple(sorted(own | {size}))  # the question's last token after the segments
+    work = PrefillWork(
+        range(8), [1] * (size + 1), Pass(positions, range(1), shift=shift), 1, need_logits=False
+    )
+    samples = [set(positions[positions.index(a) : positions.index(b) + 1]) for a, b in shift.whole()]
+    while not work.done:
+        grant = data.draw(st.integers(1, 12))
+        tokens = work.chunk_tokens(grant)
+        chunk = work.next_chunk(grant)
+        assert len(chunk.positions) == tokens
+        held = set(chunk.positions)
+        assert all(sample <= held or not sample & held for sample in samples)
+        if tokens > grant:
+            assert any(sample <= held and chunk.positions[0] == min(sample) for sample in samples)
+            assert tokens == max(len(s) for s in samples if chunk.positions[0] == min(s))
+        work.complete(chunk, ForwardResult(None, torch.zeros(tokens, 4), 0.0))

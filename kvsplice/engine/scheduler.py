@@ -4,7 +4,9 @@ Every step, in this order, up to `max_num_batched_tokens` tokens:
 1. every running request that has finished its prefill decodes one token;
 2. requests still in prefill get chunks of their prefill, first-come first-served: in a first round
    each takes at most `long_prefill_token_threshold` tokens, so a long prompt cannot hold back a short
-   one that arrived during its prefill; what is left goes round again, in the same order, uncapped;
+   one that arrived during its prefill; what is left goes round again, in the same order, uncapped
+   (a repair pass with the segment shift takes whole samples, repair/shift.py: a first chunk may
+   exceed its share, and the step its budget, by the sample that starts it);
 3. waiting requests are admitted in arrival order (the head of the queue is never skipped, so none
    starves) while seats, memory and budget last, and take their first chunk in the same rounds;
 4. budget nobody needed is left for background work (filling the segment store), but only in a step
@@ -87,7 +89,10 @@ class Scheduler:
                 assert request.prefill is not None
                 given = grants.get(request.request_id, 0)
                 left = request.prefill.work.remaining - given
-                take = min(left, budget) if cap is None else min(left, budget, max(cap - given, 0))
+                want = min(left, budget) if cap is None else min(left, budget, max(cap - given, 0))
+                if want <= 0:
+                    continue
+                take = request.prefill.work.chunk_tokens(given + want) - given
                 if take > 0:
                     grants[request.request_id] = given + take
                     budget -= take

@@ -12,18 +12,16 @@ the others (held out, the two did alike: docs/fidelity.md). Less than the whole 
 because the recomputed tokens are the ones the question reads most, not a random sample, and their
 error is larger than the segment's typical one.
 
-Applied once per layer and segment in each pass of a repair that recomputes spliced tokens, at the
-first chunk of the pass that recomputes at least MIN_SAMPLE of the segment's tokens (with chunked
-prefill a segment the chunk boundary cuts is estimated from its tokens in the first chunk only).
-Keys are moved to position 0 for the median and back to each token's position for the shift.
+Applied once per layer and segment in each pass of a repair that recomputes spliced tokens, to the
+segments of which the pass recomputes at least MIN_SAMPLE tokens (its sample), in the chunk that
+holds the sample: a chunk of such a pass never cuts a sample (`whole`, reuse/work.py), so the estimate
+is the same however the scheduler cuts the prefill. Cut at any token, it came from the part of the
+sample in the first chunk, and a request's logits depended on `max_num_batched_tokens` and on the
+other prefills of each step (a tiny Gemma 3, up to 0.18 apart between chunk sizes). Keys are moved
+to position 0 for the median and back to each token's position for the shift.
 
 Off by default (`repair_shift` = 0): at 0.5 on top of `lead@15` it brought Gemma 3 closer to a full
 prefill on the recall bench, on every held-out seed, and SmolLM2 further from it (docs/fidelity.md).
-Nor is it Gemma 3's default alone: its estimate depends on where chunks of the pass begin, and so a
-request's logits on how the scheduler cut its prefill (max_num_batched_tokens, and the other
-prefills of the step). With it at 0.5 as the default, tests/test_scheduler.py's chunk-size test failed
-on a tiny Gemma 3 (logits apart by up to 0.18 between chunk sizes) for `deviation`, `query` and
-`lead`: under concurrent traffic a request's answer would depend on what else runs.
 """
 
 from __future__ import annotations
@@ -42,18 +40,37 @@ MIN_SAMPLE = 4
 @dataclass
 class SegmentShift:
     """The shift of one pass. `segments`: each reused segment's approximate positions (sorted; spans
-    whose KV is exact, a lead KV or a cached prefix, are not listed). `fresh[layer]`: positions whose KV
-    on that layer earlier passes of the repair recomputed; `own`: the pass's positions, which it
-    recomputes (chunk by chunk). Both are left alone."""
+    whose KV is exact, a lead KV or a cached prefix, are not listed). `own`: the pass's positions, which
+    it recomputes (chunk by chunk); `fresh[layer]`: positions whose KV on that layer earlier passes of
+    the repair recomputed. Both are left alone."""
 
     scale: float
     segments: Sequence[tuple[int, ...]]
-    fresh: dict[int, frozenset[int]] = field(default_factory=dict)
-    own: frozenset[int] = frozenset()
+    own: frozenset[int]
+    fresh: dict[int, frozenset[int]]
     _done: set[tuple[int, int]] = field(default_factory=set)
+    _shifted: dict[int, list[int]] | None = None
     _selections: dict[
         tuple[tuple[int, ...], frozenset[int]], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]
     ] = field(default_factory=dict)
+
+    def whole(self) -> list[tuple[int, int]]:
+        """The first and last position of each sample the pass's chunks must not cut: a segment's
+        recomputed tokens, where they are enough to estimate from and some layer of the pass has tokens
+        of the segment to shift."""
+        return [(sample[0], sample[-1]) for sample in self._samples().values()]
+
+    def _samples(self) -> dict[int, list[int]]:
+        """Each shifted segment's index and sample (the pass's tokens in it), where it has MIN_SAMPLE of
+        them and some layer of the pass leaves tokens of it to shift."""
+        if self._shifted is None:
+            self._shifted = {}
+            for s, segment in enumerate(self.segments):
+                sample = [p for p in segment if p in self.own]
+                rest = set(segment) - self.own
+                if len(sample) >= MIN_SAMPLE and any(rest - fresh for fresh in self.fresh.values()):
+                    self._shifted[s] = sample
+        return self._shifted
 
     def apply(
         self,
@@ -66,13 +83,13 @@ class SegmentShift:
         pool_v: torch.Tensor,
         freq: torch.Tensor,
     ) -> None:
-        """Before a chunk's new K/V are written on `layer`: shift the segments this chunk recomputes.
-        positions: [T] the chunk's queries; key_slots: [S] the sequence's slot of each position
-        (position order, every position of the segments); k, v: [T, Hkv, D] the queries' new K/V
-        (after RoPE); pool_k, pool_v: the layer's pool tensors [slots, Hkv, D], shifted in place."""
+        """Before a chunk's new K/V are written on `layer`: shift the segments whose sample this chunk
+        recomputes. positions: [T] the chunk's queries; key_slots: [S] the sequence's slot of each
+        position (position order, every position of the segments); k, v: [T, Hkv, D] the queries' new
+        K/V (after RoPE); pool_k, pool_v: the layer's pool tensors [slots, Hkv, D], shifted in place."""
         if self.scale == 0:
             return
-        skip = self.fresh.get(layer, frozenset())
+        skip = self.fresh[layer]
         for s, rows, at, to in self._selection(tuple(positions.tolist()), skip, k.device):
             if (layer, s) in self._done:
                 continue
@@ -93,19 +110,20 @@ class SegmentShift:
     def _selection(
         self, chunk: tuple[int, ...], skip: frozenset[int], device: torch.device
     ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per segment with at least MIN_SAMPLE of its tokens in the chunk: its index, those tokens' rows
-        in the chunk and their positions, and the positions to shift. The same for every layer of a
-        chunk (and of a pass, bar `skip`), so computed once."""
+        """Per shifted segment whose sample is in the chunk (all of it): its index, the sample's rows in
+        the chunk and their positions, and the positions to shift. The same for every
+        layer of a chunk (and of a pass, bar `skip`), so computed once."""
         key = (chunk, skip)
         found = self._selections.get(key)
         if found is None:
             index = {p: i for i, p in enumerate(chunk)}
             found = []
-            for s, segment in enumerate(self.segments):
-                sample = [p for p in segment if p in index]
-                if len(sample) < MIN_SAMPLE:
+            for s, sample in self._samples().items():
+                held = [p for p in sample if p in index]
+                if not held:
                     continue
-                rest = [p for p in segment if p not in index and p not in self.own and p not in skip]
+                assert len(held) == len(sample), "a chunk of a pass with the segment shift cuts no sample"
+                rest = [p for p in self.segments[s] if p not in self.own and p not in skip]
                 found.append(
                     (
                         s,

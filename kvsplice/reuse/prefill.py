@@ -130,7 +130,7 @@ class RepairRun:
         shift = None
         if self.task.shift and recomputed and self._segments:
             fresh = {layer: frozenset(self._fresh[layer]) for layer in layers}
-            shift = SegmentShift(self.task.shift, self._segments, fresh, frozenset(positions))
+            shift = SegmentShift(self.task.shift, self._segments, own=frozenset(positions), fresh=fresh)
         for layer in layers:
             self._fresh[layer].update(recomputed)
         return Pass(positions, layers, observer, shift)

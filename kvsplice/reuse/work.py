@@ -8,11 +8,14 @@ layers, then both through the rest. Each pass runs chunk by chunk, in
 position order, and chunking does not change the result: a query attends only to keys at or before
 its position, so when a pass's chunks run in position order every query reads exactly the keys it
 would read if the whole pass ran at once (the earlier chunks have written theirs on every layer of
-the pass). Only the floating-point grouping of the matmuls differs.
+the pass). Only the floating-point grouping of the matmuls differs. A pass with the segment shift
+is cut only between the samples it estimates from (repair/shift.py), so a chunk may hold more than it
+was granted: the whole of a sample longer than the grant.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,6 +57,8 @@ class PrefillWork:
         self.flops = 0.0
         self._pass: Pass | None = None
         self._done = 0  # queries of the current pass already run
+        # Where a chunk of the current pass may end (indices into its positions), if not anywhere.
+        self._cuts: list[int] | None = None
         # Hidden states the passes that stopped before the last layer left ([positions, hidden]), the row
         # of each position, and the layer they stopped at (all carried rows are at the same depth).
         self._carry: torch.Tensor | None = None
@@ -71,11 +76,24 @@ class PrefillWork:
         """Query tokens left in the current pass (later passes are not known yet)."""
         return 0 if self._pass is None else len(self._pass.positions) - self._done
 
-    def next_chunk(self, max_tokens: int) -> ForwardChunk:
-        """The next `max_tokens` (at most) queries of the current pass."""
+    def chunk_tokens(self, max_tokens: int) -> int:
+        """How many queries next_chunk(max_tokens) gives: at most max_tokens of the current pass, bar a
+        segment shift's sample that starts the chunk and is longer (then all of it)."""
         current = self._pass
         assert current is not None and max_tokens > 0
-        end = min(self._done + max_tokens, len(current.positions))
+        limit = min(self._done + max_tokens, len(current.positions))
+        if self._cuts is None:
+            return limit - self._done
+        below = bisect_right(self._cuts, limit)
+        if below and self._cuts[below - 1] > self._done:
+            return self._cuts[below - 1] - self._done
+        return self._cuts[bisect_right(self._cuts, self._done)] - self._done
+
+    def next_chunk(self, max_tokens: int) -> ForwardChunk:
+        """The next queries of the current pass, as many as chunk_tokens(max_tokens) says."""
+        current = self._pass
+        assert current is not None
+        end = self._done + self.chunk_tokens(max_tokens)
         positions = current.positions[self._done : end]
         hidden = None
         if current.layers.start > 0:
@@ -143,3 +161,10 @@ class PrefillWork:
             assert not missing, f"a pass resuming at layer {p.layers.start} needs hidden states it lacks"
             assert self._carry_stop == p.layers.start, "a pass resumes where the carried states stopped"
         self._pass, self._done = p, 0
+        self._cuts = None
+        if p.shift is not None:
+            row = {position: i for i, position in enumerate(p.positions)}
+            inside: set[int] = set()
+            for first, last in p.shift.whole():
+                inside.update(range(row[first] + 1, row[last] + 1))  # ends that would cut the sample
+            self._cuts = [end for end in range(1, len(p.positions) + 1) if end not in inside]
