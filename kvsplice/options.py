@@ -71,7 +71,7 @@ class RequestOptions:
         recompute_ratio: float,
         recompute_tokens: int | None,
         repair_target: float,
-        repair_shift: float = 0.0,
+        repair_shift: float,
     ) -> RepairSettings:
         """The settings with the engine's defaults (EngineConfig's fields of the same names) filled in."""
         return RepairSettings(

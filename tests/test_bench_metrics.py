@@ -198,6 +198,9 @@ def test_system_names_expand_without_pointless_duplicates() -> None:
     plain, shifted = parse_systems(["splice:lead@15", "splice:lead@15+shift0.5"])[1:]
     assert plain.shift is None and (shifted.shift, shifted.recompute_ratio) == (0.5, 0.15)
     assert shifted.name == "splice:lead@15+shift0.5" and shifted.cache_salt != plain.cache_salt
+    # +shift0 turns off a family's default shift (None would take the engine's).
+    (off_shift,) = parse_systems(["splice:lead@15+shift0"])[1:]
+    assert off_shift.shift == 0.0 and off_shift.name == "splice:lead@15+shift0"
     bad_names = ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150", "splice:adaptive@-1")
     for bad in (*bad_names, "radix+shift0.5", "splice:lead@15+shift2", "splice:lead@15+shiftx"):
         with pytest.raises(ValueError):

@@ -210,3 +210,12 @@ def test_extra_segment_contexts_are_noted_with_their_cost(tiny_dir: Path) -> Non
     engine = EngineConfig(model=str(tiny_dir), num_threads=1, segment_contexts=1)
     plain = run_bench(_config("rag", tiny_dir, systems=("splice:lead@15",), engine=engine))
     assert not any(n.startswith("segment_contexts") for n in plain.notes)
+
+
+def test_the_model_familys_segment_shift_is_noted_for_systems_without_a_suffix(tiny_dir: Path) -> None:
+    """A Gemma 3 engine repairs with the segment shift unless a system says otherwise; the report says
+    so, and says nothing where every system sets its own shift."""
+    default = run_bench(_config("rag", tiny_dir, systems=("splice:lead@15",)))
+    assert any("segment shift at 0.5" in n for n in default.notes)
+    own = run_bench(_config("rag", tiny_dir, systems=("splice:lead@15+shift0",)))
+    assert all(r.ok for r in own.records) and not any("segment shift" in n for n in own.notes)

@@ -373,3 +373,23 @@ def test_queued_copies_give_their_blocks_back_when_a_request_needs_the_memory(mo
     assert engine.pool.allocator.num_free < capacity - 4
     engine.step()
     assert not engine.store_work.holds_blocks and [r.request_id for r in engine.scheduler.running] == ["long"]
+
+
+def test_the_segment_shift_is_the_model_familys_unless_set(model_dir: Path) -> None:
+    """Gemma 3 repairs with the segment shift at 0.5 unless told otherwise (held-out runs measured it
+    closer to a full prefill there, and the Llama family further), other families without it; the
+    config and each request override it."""
+    family = 0.5 if model_dir.name.startswith("Gemma3") else 0.0
+    assert _llm(model_dir).engine.repair_shift == family
+    assert _llm(model_dir, repair_shift=0.25).engine.repair_shift == 0.25
+    logits = {}
+    for shift in (None, 0.0, 0.5):
+        # An engine each, so that no request reads another's spliced KV from the prefix cache; `boundary`
+        # recomputes the first tokens of every segment, a sample of each to shift the rest by.
+        llm = _llm(model_dir, prefix_cache="radix", repair="boundary", recompute_ratio=0.3)
+        _warm(llm)
+        out = llm.generate([_parts([3, 1, 0, 2])], GREEDY, RequestOptions(repair_shift=shift))[0]
+        assert out.metrics.recomputed_tokens > 0
+        logits[shift] = out.first_logits
+    torch.testing.assert_close(logits[None], logits[family], atol=0, rtol=0)
+    assert not torch.allclose(logits[0.0], logits[0.5], atol=1e-4), "the shift moves the logits"

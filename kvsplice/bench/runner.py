@@ -187,6 +187,12 @@ class _Run:
         except Exception as err:  # every system on this engine is then reported as failed
             self.notes.append(f"engine {key!r} failed to start: {type(err).__name__}: {err}")
             return _Engine(None, f"engine failed to start: {type(err).__name__}: {err}")
+        shift = llm.engine.repair_shift
+        if key == SPLICE_ENGINE and shift and any(s.splices and s.shift is None for s in self.systems):
+            self.notes.append(
+                f"splice systems without a +shift suffix repair with the segment shift at {shift:g} (the "
+                "engine's repair_shift; the model family's default unless --repair-shift sets it)"
+            )
         return _Engine(llm)
 
     # -- running ----------------------------------------------------------------------------------

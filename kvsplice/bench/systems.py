@@ -8,7 +8,7 @@
     splice:adaptive@<kl>    the same, repaired by the adaptive policy, whose knob is a quality target:
                             the KL (nats) at which it stops (default: the engine's repair_target).
     <splice system>+shift<s> the same, with the segment shift of repair at scale s (repair/shift.py;
-                            without the suffix: the engine's repair_shift).
+                            without the suffix: the engine's repair_shift; +shift0: none).
     <splice system>/plain   the same, the prompt sent unmarked as one plain string (`--unmarked` adds
                             one per splice system): reuse beyond the prefix is what auto_segments finds.
 

@@ -38,6 +38,7 @@ from kvsplice.models.runner import DecodeItem, ModelRunner
 from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.prompt import Prompt, parse_prompt
+from kvsplice.repair.shift import default_shift
 from kvsplice.reuse.discover import SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
 from kvsplice.reuse.plan import SpanKind
@@ -71,6 +72,10 @@ class Engine:
             self.model_config.max_position_embeddings,
             config.max_model_len or 2**62,
             self.pool.capacity_tokens,
+        )
+        # The segment shift of repair where neither the request nor the config sets one.
+        self.repair_shift = (
+            config.repair_shift if config.repair_shift is not None else default_shift(self.model_config)
         )
         self.runner = ModelRunner(self.model, self.pool)
         self.prefix_cache = make_prefix_cache(config.prefix_cache, self.pool.allocator)
@@ -168,7 +173,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         c = self.config
         settings = options.resolve(
-            c.repair, c.recompute_ratio, c.recompute_tokens, c.repair_target, c.repair_shift
+            c.repair, c.recompute_ratio, c.recompute_tokens, c.repair_target, self.repair_shift
         )
         namespace = options.namespace(str(self.model_dir))
         seed = params.seed if params.seed is not None else c.seed + next(self._ids)
