@@ -80,3 +80,15 @@ def test_frontier_names_a_run_by_its_path_below_the_runs_common_directory(tmp_pa
     frontier.main([str(a), str(b), "--out", str(tmp_path / "frontier.png")])
     text = capsys.readouterr().out
     assert "| probe/layer8 |" in text and "| policies |" in text
+
+
+def test_a_shifted_policy_is_a_line_of_its_own(tmp_path: Path, capsys) -> None:
+    """`lead@15+shift0.5` is not a budget of `lead`: its point is labelled by its budget, on a line of
+    its own, and listed after `lead`'s."""
+    kls = {"off": [0, 0], "splice:lead@15": [0.02, 0.04], "splice:lead@20": [0.01, 0.03]}
+    a = _run(tmp_path, "a", "gemma", {**kls, "splice:lead@15+shift0.5": [0.01, 0.02]})
+    frontier.main([str(a), "--out", str(tmp_path / "frontier.png")])
+    rows = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["| lead@15", "| lead@20", "| lead@15+shift0.5"]
+    shifted, plain = frontier._family("splice:lead@15+shift0.5"), frontier._family("splice:lead@20")
+    assert (shifted, plain) == ("lead+shift0.5", "lead")

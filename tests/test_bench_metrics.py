@@ -28,6 +28,7 @@ from kvsplice.bench.systems import (
     SWEEP_BUDGETS,
     WordHashEncoder,
     default_systems,
+    name_parts,
     parse_systems,
     prompt_parts,
 )
@@ -201,6 +202,8 @@ def test_system_names_expand_without_pointless_duplicates() -> None:
     # +shift0 turns off a family's default shift (None would take the engine's).
     (off_shift,) = parse_systems(["splice:lead@15+shift0"])[1:]
     assert off_shift.shift == 0.0 and off_shift.name == "splice:lead@15+shift0"
+    assert name_parts("splice:lead@15+shift0.5/plain") == ("lead", "15", "+shift0.5/plain")
+    assert name_parts("splice:adaptive") == ("adaptive", "", "") and name_parts("radix") == ("radix", "", "")
     bad_names = ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150", "splice:adaptive@-1")
     for bad in (*bad_names, "radix+shift0.5", "splice:lead@15+shift2", "splice:lead@15+shiftx"):
         with pytest.raises(ValueError):

@@ -27,6 +27,7 @@ from kvsplice.bench.plots import KL_EXACT, _colour, _family, _short
 from kvsplice.bench.report import _kl, _pct
 from kvsplice.bench.results import BenchResult
 from kvsplice.bench.summary import refresh
+from kvsplice.bench.systems import name_parts
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def collect(runs: list[tuple[Path, BenchResult]]) -> dict[str, list[Point]]:
 
 
 def _budget(system: str) -> float:
-    label = system.partition("@")[2]
+    label = name_parts(system)[1]
     return float(label) if label else 0.0
 
 
@@ -94,7 +95,7 @@ def plot(by_model: dict[str, list[Point]], path: Path) -> None:
                 ax.plot([x for _, x, _ in shown], [y for _, _, y in shown], "o-", color=colour, label=family)
                 for p, x, y in shown:
                     # A system named without "@" is the adaptive policy at the engine's default target.
-                    label = p.system.partition("@")[2] or "default"
+                    label = name_parts(p.system)[1] or "default"
                     ax.annotate(label, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
         n = points[0].summary.requests if points else 0
         for row, (label, _value) in enumerate(rows):

@@ -141,11 +141,6 @@ class SystemSummary:
     accuracy: float | None = None
     peak_kv_bytes: int | None = None
 
-    @property
-    def budget_label(self) -> str:
-        """The repair budget of a splice system, as in its name ("15" of "splice:deviation@15")."""
-        return self.system.partition("@")[2]
-
 
 @dataclass(frozen=True)
 class TurnSummary:

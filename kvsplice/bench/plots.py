@@ -15,6 +15,7 @@ from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarForm
 from kvsplice.bench.breakdown import ALL, by_group, settings
 from kvsplice.bench.metrics import SystemSummary
 from kvsplice.bench.results import BenchResult
+from kvsplice.bench.systems import name_parts
 
 # KL below this is float rounding (the exact systems measure ~1e-12): drawn on the axis floor.
 KL_EXACT = 1e-6
@@ -35,7 +36,9 @@ _OTHER_COLOURS = ["gold", "lime", "navy"]
 
 
 def _family(system: str) -> str:
-    return system.removeprefix("splice:").partition("@")[0]
+    """A policy's line: its systems at each budget, with the same suffixes (a shift, unmarked prompts)."""
+    policy, _, rest = name_parts(system)
+    return policy + rest
 
 
 def _short(system: str) -> str:
@@ -83,7 +86,7 @@ def frontier(result: BenchResult, path: Path) -> None:
         match = [s.matched_mean or 0.0 for s in members]
         colour = _colour(family, colours)
         # Policies swept over budgets are labelled by budget (the legend names the policy).
-        texts = [_short(s.system) if len(members) == 1 else f"{s.budget_label}" for s in members]
+        texts = [_short(s.system) if len(members) == 1 else name_parts(s.system)[1] for s in members]
         for key, ax, ys in (("kl", ax_kl, kls), ("match", ax_match, match)):
             ax.plot(xs, ys, "o-" if len(members) > 1 else "o", color=colour, label=family)
             for x, y, text in zip(xs, ys, texts, strict=True):

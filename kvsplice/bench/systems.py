@@ -23,6 +23,7 @@ has its own cache salt, so its prefix cache and segment store are its own.
 from __future__ import annotations
 
 import dataclasses
+import re
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,6 +99,17 @@ def target_system(policy: str, target: float | None) -> System:
         raise ValueError(f"a quality target is a KL in nats, >= 0, got {target}")
     name = f"splice:{policy}" + ("" if target is None else f"@{target:g}")
     return System(name, "radix", policy, None, target)
+
+
+_NAME = re.compile(r"(?:splice:)?(?P<policy>[^@+/]+)(?:@(?P<budget>[^+/]+))?(?P<rest>.*)")
+
+
+def name_parts(system: str) -> tuple[str, str, str]:
+    """A system's name as (policy, budget or target, suffixes): "splice:lead@15+shift0.5/plain" is
+    ("lead", "15", "+shift0.5/plain"), "splice:adaptive" ("adaptive", "", ""), "radix" ("radix", "", "")."""
+    m = _NAME.fullmatch(system)
+    assert m is not None, f"not a system name: {system!r}"
+    return m["policy"], m["budget"] or "", m["rest"]
 
 
 def policy_budgets(policy: str, budgets: Sequence[float]) -> list[float]:
