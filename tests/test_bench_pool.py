@@ -3,6 +3,7 @@ the concatenated requests, and the runs it must refuse. No model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,27 @@ def test_the_command_says_why_runs_do_not_pool(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         pool.main([str(tmp_path / "missing"), "--system", SYSTEM])
     assert "No such file" in capsys.readouterr().err
+
+
+def _renamed(result: BenchResult, name: str) -> BenchResult:
+    """The same run with the pooled system under another name."""
+    records = [replace(r, system=name) if r.system == SYSTEM else r for r in result.records]
+    systems = [name if s == SYSTEM else s for s in result.systems]
+    return replace(result, systems=systems, records=records, summaries=summarize(records, systems))
+
+
+def test_a_system_renamed_between_runs_pools_by_its_name_in_each(tmp_path: Path, capsys) -> None:
+    """Once the shift became Gemma 3's default, `splice:lead@15+shift0.5` of older runs is the newer
+    runs' `splice:lead@15`: named per run, they pool as if the name had never changed."""
+    other = "splice:lead@15+shift0.5"
+    same = pool.pool([_result(A, 1), _result(B, 2)], SYSTEM)
+    assert pool.pool([_result(A, 1), _renamed(_result(B, 2), other)], [SYSTEM, other]) == same
+    with pytest.raises(ValueError, match="no system"):
+        pool.pool([_result(A, 1), _renamed(_result(B, 2), other)], SYSTEM)
+    with pytest.raises(ValueError, match="one per run"):
+        pool.pool([_result(A, 1), _result(B, 2)], [SYSTEM])
+    for seed, result in ((1, _result(A, 1)), (2, _renamed(_result(B, 2), other))):
+        (tmp_path / f"s{seed}").mkdir()
+        result.write_json(tmp_path / f"s{seed}" / "results.json")
+    pool.main([str(tmp_path / "s1"), f"{tmp_path / 's2'}={other}", "--system", SYSTEM])
+    assert "| 7 (1, 2) |" in capsys.readouterr().out

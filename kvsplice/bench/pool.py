@@ -1,6 +1,7 @@
 """One system's fidelity pooled over bench runs of other requests (other seeds).
 
     python -m kvsplice.bench.pool DIR [DIR ...] --system splice:lead@15
+    python -m kvsplice.bench.pool DIR DIR=splice:lead@15 --system splice:lead@15+shift0.5
 
 A run of 100 requests measures an accuracy difference to about ±5 points; the fidelity targets ask
 about one. Runs of one workload on other seeds measure other requests, so their paired outcomes pool:
@@ -79,12 +80,16 @@ def pairs(result: BenchResult, system: str) -> dict[str, list[Pair]]:
     return by_setting
 
 
-def pool(runs: Sequence[BenchResult], system: str) -> list[Pooled]:
+def pool(runs: Sequence[BenchResult], system: str | Sequence[str]) -> list[Pooled]:
     """`system` against the full prefill per (model, setting), over every run; ValueError for runs that
-    measured the same requests twice or another kind of workload."""
+    measured the same requests twice or another kind of workload. `system` is one name for every run,
+    or one per run (a system whose name changed between runs, as when a default did)."""
+    names = [system] * len(runs) if isinstance(system, str) else list(system)
+    if len(names) != len(runs):
+        raise ValueError(f"{len(names)} system names for {len(runs)} runs: name one, or one per run")
     groups: dict[tuple[str, str], list[tuple[BenchResult, list[Pair]]]] = {}
     kinds: dict[str, tuple[str, dict[str, object], str]] = {}
-    for result in runs:
+    for result, name in zip(runs, names, strict=True):
         model = _model(result)
         kind = {k: v for k, v in result.spec.items() if k not in _PER_RUN}
         first = kinds.setdefault(model, (result.workload, kind, result.command))
@@ -93,7 +98,7 @@ def pool(runs: Sequence[BenchResult], system: str) -> list[Pooled]:
                 f"{result.command!r} is another evaluation than {first[2]!r} "
                 f"({result.workload} {kind} against {first[0]} {first[1]}): they do not pool"
             )
-        for setting, found in pairs(result, system).items():
+        for setting, found in pairs(result, name).items():
             groups.setdefault((model, setting), []).append((result, found))
     out = []
     for (model, setting), members in groups.items():
@@ -174,12 +179,18 @@ def table(rows: Sequence[Pooled], system: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvsplice.bench.pool", description=__doc__.split("\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories, each with a results.json")
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        help="run directories, each with a results.json; DIR=SYSTEM pools that run's SYSTEM instead",
+    )
     parser.add_argument("--system", required=True, help="the splice system to pool, e.g. splice:lead@15")
     args = parser.parse_args(argv)
     try:
-        runs = [BenchResult.from_json((d / "results.json").read_text()) for d in args.runs]
-        rows = pool(runs, args.system)
+        # "DIR=SYSTEM": the same system under another name in that run.
+        named = [(Path(d), s or args.system) for d, _, s in (arg.partition("=") for arg in args.runs)]
+        runs = [BenchResult.from_json((d / "results.json").read_text()) for d, _ in named]
+        rows = pool(runs, [s for _, s in named])
     except (ValueError, OSError) as err:
         # Runs that do not pool, or a directory without results: the user's mistake, one line.
         parser.error(str(err))
