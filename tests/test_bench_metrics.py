@@ -93,8 +93,12 @@ def test_compare_against_the_reference() -> None:
     ref = _record("off", "r0", ttft_s=2.0, prefill_flops=1000.0, token_ids=[5, 6, 7])
     rec = _record("splice:none@0", "r0", ttft_s=0.5, prefill_flops=100.0, token_ids=[5, 6, 8])
     logits = torch.tensor([1.0, 2.0, 3.0])
-    compare(rec, ref, logits, logits)
-    assert rec.kl == 0.0 and rec.top1 is True and rec.same_continuation is False
+    compare(rec, ref, logits, torch.tensor([0.0, 0.0, 3.0]))
+    assert rec.kl > 0.0 and rec.top1 is True and rec.same_continuation is False
+    # Each side's top probability minus its runner-up's, computed by hand.
+    e = torch.tensor([1.0, 2.0, 3.0]).exp()
+    assert rec.margin == pytest.approx(float((e[2] - e[1]) / e.sum()))
+    assert rec.reference_margin == pytest.approx(float((e[2] - 1) / (e[2] + 2)))
     assert rec.matched_tokens == 2
     assert rec.ttft_speedup == 4.0 and rec.reference_flops == 1000.0
 

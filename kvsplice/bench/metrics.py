@@ -81,6 +81,9 @@ class RequestRecord:
     # the runner-up's. Where it is small the full prefill itself is torn, and any perturbation may flip
     # its answer; top-1 agreement is also reported where it is at least SURE_MARGIN.
     reference_margin: float | None = None
+    # The system's own margin there: what a system could gate a fallback on, since it knows its own
+    # logits but not the full prefill's (kvsplice.bench.gate).
+    margin: float | None = None
     same_continuation: bool | None = None
     # Leading tokens of the greedy continuation equal to the full prefill's.
     matched_tokens: int | None = None
@@ -218,6 +221,7 @@ def compare(
     record.kl = kl_divergence(ref_logits, logits)
     record.top1 = top1_agree(ref_logits, logits)
     record.reference_margin = top_margin(ref_logits)
+    record.margin = top_margin(logits)
     record.same_continuation = record.token_ids == reference.token_ids
     record.matched_tokens = common_prefix(record.token_ids, reference.token_ids)
     record.reference_flops = reference.prefill_flops
