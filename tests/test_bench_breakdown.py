@@ -223,6 +223,15 @@ def test_report_shows_the_breakdown_and_round_trips(tmp_path: Path) -> None:
     # Every compared request missed: the fidelity targets need a full prefill of each of them.
     assert "## What the fidelity targets would cost" in text and "| 4 docs | splice:none@0 |" in text
     assert "| all | splice:none@0 | 5/6 (1 failed) |" not in text and "| all | splice:none@0 | 5/6 |" in text
+    # Runs from before records kept the system's own margin have no gated fallback to replay.
+    assert "gated on the system's own confidence" not in text
+    for r in result.records:
+        r.margin = 0.2 if r.system != "off" else r.margin
+    gated = markdown(result)
+    assert (
+        "## A fallback gated on the system's own confidence" in gated
+        and "| 4 docs | splice:none@0 | 6 |" in gated
+    )
     again = BenchResult.from_json(result.to_json())
     assert again == result and again.spec["doc_counts"] == (4, 8)
     assert "positions.png" in write_plots(result, tmp_path) and (tmp_path / "positions.png").stat().st_size

@@ -29,6 +29,8 @@ from kvsplice.bench.breakdown import settings
 from kvsplice.bench.metrics import KL_CLOSE, RequestRecord
 from kvsplice.bench.results import BenchResult
 
+Pair = tuple[RequestRecord, RequestRecord]
+
 
 @dataclass(frozen=True)
 class Targets:
@@ -58,29 +60,33 @@ class Headroom:
     flops_bound: float
 
 
+def paired(records: Sequence[RequestRecord], reference: str) -> dict[tuple[str, str], list[Pair]]:
+    """(system, full prefill) record pairs of the measured requests both ran and compared, per setting
+    ("" for a run whose requests have none) and system other than `reference`."""
+    measured = [r for r in records if not r.warmup and r.ok]
+    groups: dict[tuple[str, str], list[Pair]] = {}
+    for setting in settings(measured) or [""]:
+        refs = {r.request_id: r for r in measured if r.setting == setting and r.system == reference}
+        for r in measured:
+            if r.setting == setting and r.system != reference and r.request_id in refs and r.kl is not None:
+                groups.setdefault((setting, r.system), []).append((r, refs[r.request_id]))
+    return groups
+
+
 def headroom(
     records: Sequence[RequestRecord], reference: str, targets: Targets = Targets()
 ) -> list[Headroom]:
     """One row per setting (one for the run when its requests have none) and system compared with
     `reference` (the full prefill), over the measured requests both ran."""
-    measured = [r for r in records if not r.warmup and r.ok]
-    rows = []
-    for setting in settings(measured) or [""]:
-        refs = {r.request_id: r for r in measured if r.setting == setting and r.system == reference}
-        systems = dict.fromkeys(r.system for r in measured if r.setting == setting and r.system != reference)
-        for system in systems:
-            pairs = [
-                (r, refs[r.request_id])
-                for r in measured
-                if r.setting == setting and r.system == system and r.request_id in refs and r.kl is not None
-            ]
-            # (A run that recorded no FLOPs, a server's, has no cost to bound.)
-            if pairs and all(ref.prefill_flops > 0 for _, ref in pairs):
-                rows.append(_row(system, setting, pairs, targets))
-    return rows
+    return [
+        _row(system, setting, pairs, targets)
+        for (setting, system), pairs in paired(records, reference).items()
+        # (A run that recorded no FLOPs, a server's, has no cost to bound.)
+        if all(ref.prefill_flops > 0 for _, ref in pairs)
+    ]
 
 
-def _row(system: str, setting: str, pairs: list[tuple[RequestRecord, RequestRecord]], t: Targets) -> Headroom:
+def _row(system: str, setting: str, pairs: list[Pair], t: Targets) -> Headroom:
     n = len(pairs)
     spent = sum(r.prefill_flops for r, _ in pairs)
     full = sum(ref.prefill_flops for _, ref in pairs)

@@ -271,8 +271,9 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
             "",
             BREAKDOWN_LEGEND.format(reference=r.systems[0], sure=SURE_MARGIN),
         ]
-    # Imported here: `python -m kvsplice.bench.headroom` must not find it imported by the package.
-    from kvsplice.bench import headroom
+    # Imported here: `python -m kvsplice.bench.headroom` (and .gate) must not find it imported by the
+    # package.
+    from kvsplice.bench import gate, headroom
 
     costs = headroom.headroom(r.records, r.systems[0])
     if costs:
@@ -283,6 +284,16 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
             headroom.table(costs),
             "",
             headroom.legend(),
+        ]
+    gated = gate.gates(r.records, r.systems[0])
+    if gated:
+        lines += [
+            "",
+            "## A fallback gated on the system's own confidence",
+            "",
+            gate.table(gated),
+            "",
+            gate.LEGEND,
         ]
     failures = Counter((x.system, x.error) for x in r.records if x.error is not None)
     if failures:
