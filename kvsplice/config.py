@@ -74,6 +74,12 @@ class EngineConfig:
         "held-out runs measured it closer to a full prefill, and 0 elsewhere)",
         default=None,
     )
+    repair_fallback_margin: float = _opt(
+        "prefill in full a request whose first token, after repair, leads its runner-up by less than this "
+        "probability, in [0, 1]: where the spliced answer is a near-tie it is not trusted "
+        "(bench/gate.py replays it on recorded runs); 0: never",
+        default=0.0,
+    )
     segment_context_tokens: int | None = _opt(
         "length of the canonical context stored segments are computed after "
         "(default: 1024, or the model's sliding window + 64 where that is more; at most half the model's "
@@ -172,6 +178,7 @@ class EngineConfig:
         _check(self.recompute_tokens is None or self.recompute_tokens >= 0, "recompute_tokens must be >= 0")
         _check(0.0 <= self.repair_target < float("inf"), "repair_target must be >= 0")
         _check(self.repair_shift is None or 0.0 <= self.repair_shift <= 1.0, "repair_shift must be in [0, 1]")
+        _check(0.0 <= self.repair_fallback_margin <= 1.0, "repair_fallback_margin must be in [0, 1]")
         _check(
             self.segment_context_tokens is None or self.segment_context_tokens >= 0,
             "segment_context_tokens must be >= 0",

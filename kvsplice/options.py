@@ -27,6 +27,9 @@ class RepairSettings:
     # How much of the error its recomputed tokens show is moved onto a segment's other tokens
     # (repair/shift.py); 0: none.
     shift: float = 0.0
+    # Below this first-token margin after repair (top probability minus the runner-up's), the request
+    # is prefilled in full: every reused token with approximate KV recomputed; 0: never.
+    fallback_margin: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class RequestOptions:
     cache_salt: str | None = None
     # The segment shift of repair (repair/shift.py): a scale in [0, 1].
     repair_shift: float | None = None
+    # Prefill in full a request whose first token, after repair, leads its runner-up by less than this
+    # probability (EngineConfig.repair_fallback_margin).
+    repair_fallback_margin: float | None = None
 
     def __post_init__(self) -> None:
         if self.repair is not None and self.repair not in POLICY_NAMES:
@@ -62,6 +68,11 @@ class RequestOptions:
             isinstance(shift, bool) or not isinstance(shift, int | float) or not 0 <= shift <= 1
         ):
             raise InvalidRequestError(f"repair_shift must be in [0, 1], got {shift!r}")
+        margin = self.repair_fallback_margin
+        if margin is not None and (
+            isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin <= 1
+        ):
+            raise InvalidRequestError(f"repair_fallback_margin must be in [0, 1], got {margin!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
 
@@ -72,6 +83,7 @@ class RequestOptions:
         recompute_tokens: int | None,
         repair_target: float,
         repair_shift: float,
+        repair_fallback_margin: float = 0.0,
     ) -> RepairSettings:
         """The settings with the engine's defaults (EngineConfig's fields of the same names) filled in."""
         return RepairSettings(
@@ -80,6 +92,11 @@ class RequestOptions:
             self.recompute_tokens if self.recompute_tokens is not None else recompute_tokens,
             float(self.repair_target if self.repair_target is not None else repair_target),
             float(self.repair_shift if self.repair_shift is not None else repair_shift),
+            float(
+                self.repair_fallback_margin
+                if self.repair_fallback_margin is not None
+                else repair_fallback_margin
+            ),
         )
 
     def namespace(self, model: str) -> Hashable:

@@ -31,6 +31,9 @@ class RequestMetrics:
     computed_tokens: int = 0
     # Reused segment tokens (marked or found) recomputed by the repair policy on (most) layers.
     recomputed_tokens: int = 0
+    # Repair left the first token a near-tie (below RequestOptions.repair_fallback_margin), so the
+    # prefill recomputed every reused token with approximate KV: a full prefill's result and cost.
+    repair_fallback: bool = False
     generated_tokens: int = 0
     # Estimated FLOPs of this request's prefill (segment-store fills are background work, not counted).
     prefill_flops: float = 0.0
@@ -48,7 +51,8 @@ class RequestMetrics:
             f"{self.prompt_tokens} prompt tokens: {self.prefix_hit_tokens} from the prefix cache, "
             f"{self.segment_hit_tokens} reused from marked segments, {self.discovered_hit_tokens} from "
             f"spans found in earlier prompts ({self.recomputed_tokens} of them "
-            f"recomputed to repair), {self.computed_tokens} computed; "
+            f"recomputed to repair{', a full prefill after a near-tie' if self.repair_fallback else ''}), "
+            f"{self.computed_tokens} computed; "
             f"time to first token {self.ttft_s:.2f} s"
         )
 

@@ -70,6 +70,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def top_margin(logits: torch.Tensor) -> float:
+    """The most likely token's probability minus the runner-up's, under logits [vocab]."""
+    top = logits.float().softmax(-1).topk(2).values
+    return float(top[0] - top[1])
+
+
 def kl_divergence(reference: torch.Tensor, logits: torch.Tensor) -> float:
     """KL(P_ref || P) in nats, from logits [vocab] (computed in float64)."""
     log_p = torch.log_softmax(reference.double(), -1)

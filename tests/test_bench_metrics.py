@@ -207,9 +207,25 @@ def test_system_names_expand_without_pointless_duplicates() -> None:
     (off_shift,) = parse_systems(["splice:lead@15+shift0"])[1:]
     assert off_shift.shift == 0.0 and off_shift.name == "splice:lead@15+shift0"
     assert name_parts("splice:lead@15+shift0.5/plain") == ("lead", "15", "+shift0.5/plain")
+    # A fallback margin, alone or with a shift: each suffix sets its own field.
+    gated, both = parse_systems(["splice:lead@15+fallback0.03", "splice:lead@15+shift0+fallback0.05"])[1:]
+    assert (gated.fallback_margin, gated.shift, gated.name) == (0.03, None, "splice:lead@15+fallback0.03")
+    assert (both.fallback_margin, both.shift) == (0.05, 0.0) and plain.fallback_margin is None
     assert name_parts("splice:adaptive") == ("adaptive", "", "") and name_parts("radix") == ("radix", "", "")
     bad_names = ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150", "splice:adaptive@-1")
-    for bad in (*bad_names, "radix+shift0.5", "splice:lead@15+shift2", "splice:lead@15+shiftx"):
+    bad_suffixes = (
+        "radix+fallback0.1",
+        "splice:lead@15+fallback2",
+        "splice:lead@15+fallbackx",
+        "splice:lead@15+gate1",
+    )
+    for bad in (
+        *bad_names,
+        *bad_suffixes,
+        "radix+shift0.5",
+        "splice:lead@15+shift2",
+        "splice:lead@15+shift0+shift1",
+    ):
         with pytest.raises(ValueError):
             parse_systems([bad])
 

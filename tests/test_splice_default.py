@@ -86,6 +86,40 @@ def test_adaptive_repair_at_target_zero_falls_back_to_the_full_prefill(spliced: 
     assert got.token_ids == want.token_ids
 
 
+def test_a_near_tie_after_repair_falls_back_to_the_full_prefill(spliced: LLM, llm: LLM) -> None:
+    """Below the fallback margin, lead's repair is followed by one pass that recomputes every reused
+    token with approximate KV: a full prefill's logits. Above it the repair is lead's alone."""
+    order = [1, 0, 2]
+    want = llm.generate([_prompt(order, segments=False)], PARAMS)[0]
+    # The first request in this order leaves its first document's lead KV in the store, the second that
+    # document's exact KV in the prefix cache; the ones compared after them see the same caches. Each
+    # margin is a repair setting of its own, so no request reuses another's spliced prefix.
+    for warm in (0.0, 1e-9):
+        spliced.generate([_prompt(order)], PARAMS, RequestOptions(repair="lead", repair_fallback_margin=warm))
+    options = RequestOptions(repair="lead", repair_fallback_margin=1e-8)
+    lead = spliced.generate([_prompt(order)], PARAMS, options)[0]
+    assert lead.first_logits is not None and not lead.metrics.repair_fallback
+    top = lead.first_logits.softmax(-1).topk(2).values
+    margin = float(top[0] - top[1])
+    assert _kl(want.first_logits, lead.first_logits) > 1e-4, "lead alone is not exact here"
+    sure = spliced.generate(
+        [_prompt(order)], PARAMS, RequestOptions(repair="lead", repair_fallback_margin=margin / 2)
+    )
+    assert not sure[0].metrics.repair_fallback
+    torch.testing.assert_close(sure[0].first_logits, lead.first_logits)
+    (torn,) = spliced.generate(
+        [_prompt(order)], PARAMS, RequestOptions(repair="lead", repair_fallback_margin=1.0)
+    )
+    m = torn.metrics
+    assert m.repair_fallback and m.segment_hit_tokens > 0
+    assert (
+        m.recomputed_tokens == m.segment_hit_tokens - m.segment_lead_tokens > lead.metrics.recomputed_tokens
+    )
+    assert m.prefill_flops > lead.metrics.prefill_flops
+    torch.testing.assert_close(torn.first_logits, want.first_logits, atol=2e-3, rtol=1e-3)
+    assert torn.token_ids == want.token_ids
+
+
 def test_adaptive_repair_spends_by_its_target(spliced: LLM) -> None:
     order = [0, 2, 1]
     spent = {

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvsplice.sampling import kl_divergence
+from kvsplice.sampling import kl_divergence, top_margin
 
 if TYPE_CHECKING:
     from kvsplice.bench.base import BenchRequest
@@ -63,6 +63,8 @@ class RequestRecord:
     discovered_hit_tokens: int = 0
     computed_tokens: int = 0
     recomputed_tokens: int = 0
+    # Prefilled in full after repair left a near-tie (RequestOptions.repair_fallback_margin).
+    fell_back: bool = False
     # Tokens computed after the first token to fill the segment store (missed segments, on their own).
     store_tokens: int = 0
     # Segment tokens loaded into the pool from a tier below it (disk, Redis), by tier, and the seconds
@@ -164,12 +166,6 @@ class TurnSummary:
 
 def top1_agree(reference: torch.Tensor, logits: torch.Tensor) -> bool:
     return int(torch.argmax(reference)) == int(torch.argmax(logits))
-
-
-def top_margin(logits: torch.Tensor) -> float:
-    """The most likely token's probability minus the second's, under logits [vocab]."""
-    top = logits.float().softmax(-1).topk(2).values
-    return float(top[0] - top[1])
 
 
 def sure_top1(records: Iterable[RequestRecord]) -> tuple[float | None, int]:

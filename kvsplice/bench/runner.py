@@ -239,6 +239,7 @@ class _Run:
                 repair_target=system.target,
                 cache_salt=system.cache_salt,
                 repair_shift=system.shift,
+                repair_fallback_margin=system.fallback_margin,
             )
             stored_before = engine.segment_store.stats.inserted_tokens
             sampled_before = engine.segment_store.stats.sampled_tokens
@@ -274,6 +275,7 @@ class _Run:
         record.discovered_hit_tokens = m.discovered_hit_tokens
         record.computed_tokens = m.computed_tokens
         record.recomputed_tokens = m.recomputed_tokens
+        record.fell_back = m.repair_fallback
         # Segments promoted from a tier below enter the pool's store too, but were loaded, not computed.
         promoted = sum(m.store_hit_tokens.values())
         record.store_tokens = engine.segment_store.stats.inserted_tokens - stored_before - promoted

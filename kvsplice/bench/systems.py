@@ -9,6 +9,9 @@
                             the KL (nats) at which it stops (default: the engine's repair_target).
     <splice system>+shift<s> the same, with the segment shift of repair at scale s (repair/shift.py;
                             without the suffix: the engine's repair_shift; +shift0: none).
+    <splice system>+fallback<m> the same, prefilled in full where repair leaves the first token
+                            leading its runner-up by less than m (a probability; without the suffix:
+                            the engine's repair_fallback_margin). Suffixes combine: +shift0+fallback0.03.
     <splice system>/plain   the same, the prompt sent unmarked as one plain string (`--unmarked` adds
                             one per splice system): reuse beyond the prefix is what auto_segments finds.
 
@@ -58,6 +61,8 @@ class System:
     marked: bool = True
     # The segment shift's scale (None: the engine's repair_shift).
     shift: float | None = None
+    # The first-token margin below which a request is prefilled in full (None: the engine's).
+    fallback_margin: float | None = None
 
     @property
     def splices(self) -> bool:
@@ -127,9 +132,8 @@ def parse_systems(names: Sequence[str], budgets: Sequence[float] = DEFAULT_BUDGE
     for item in (n.strip() for name in names for n in name.split(",")):
         if not item:
             continue
-        item, _, shift = item.partition("+shift")
-        if shift and not item.startswith("splice"):
-            raise ValueError(f"only a splice system takes a shift: {item}+shift{shift}")
+        item, *suffixes = item.split("+")
+        knobs = _knobs(item, suffixes)
         if item in PREFIX_SYSTEMS:
             found = [System(item, item)]
         elif item == "splice":
@@ -165,18 +169,42 @@ def parse_systems(names: Sequence[str], budgets: Sequence[float] = DEFAULT_BUDGE
                 f"unknown system {item!r}: use off, hash, radix, splice, splice:<policy> or "
                 f"splice:<policy>@<percent> (policies: {', '.join(POLICY_NAMES)})"
             )
-        if shift:
-            try:
-                scale = float(shift)
-            except ValueError:
-                raise ValueError(f"bad shift in {item}+shift{shift}: a scale in [0, 1]") from None
-            if not 0 <= scale <= 1:
-                raise ValueError(f"a shift is a scale in [0, 1], got {scale}")
-            found = [dataclasses.replace(s, name=f"{s.name}+shift{scale:g}", shift=scale) for s in found]
+        for knob, value in knobs:
+            found = [
+                dataclasses.replace(s, name=f"{s.name}+{knob}{value:g}", **{SUFFIXES[knob]: value})
+                for s in found
+            ]
         for system in found:
             systems.setdefault(system.name, system)
     reference = systems.pop(REFERENCE, System(REFERENCE, REFERENCE))
     return [reference, *systems.values()]
+
+
+# A splice system's suffixes: +<knob><value>, each a number in [0, 1], and the System field it sets.
+SUFFIXES = {"shift": "shift", "fallback": "fallback_margin"}
+
+
+def _knobs(item: str, suffixes: Sequence[str]) -> list[tuple[str, float]]:
+    """The (knob, value) pairs of a system name's "+..." suffixes, checked."""
+    knobs: dict[str, float] = {}
+    for suffix in suffixes:
+        knob = next((k for k in SUFFIXES if suffix.startswith(k)), None)
+        if knob is None:
+            raise ValueError(
+                f"unknown suffix +{suffix} of {item}: use {', '.join(f'+{k}<value>' for k in SUFFIXES)}"
+            )
+        if not item.startswith("splice"):
+            raise ValueError(f"only a splice system takes +{knob}: {item}+{suffix}")
+        if knob in knobs:
+            raise ValueError(f"+{knob} twice in {item}")
+        try:
+            value = float(suffix.removeprefix(knob))
+        except ValueError:
+            raise ValueError(f"bad {knob} in {item}+{suffix}: a number in [0, 1]") from None
+        if not 0 <= value <= 1:
+            raise ValueError(f"a {knob} is a number in [0, 1], got {value}")
+        knobs[knob] = value
+    return list(knobs.items())
 
 
 def default_systems(budgets: Sequence[float] | None = None) -> list[System]:

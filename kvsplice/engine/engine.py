@@ -173,7 +173,12 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         c = self.config
         settings = options.resolve(
-            c.repair, c.recompute_ratio, c.recompute_tokens, c.repair_target, self.repair_shift
+            c.repair,
+            c.recompute_ratio,
+            c.recompute_tokens,
+            c.repair_target,
+            self.repair_shift,
+            c.repair_fallback_margin,
         )
         namespace = options.namespace(str(self.model_dir))
         seed = params.seed if params.seed is not None else c.seed + next(self._ids)
@@ -296,6 +301,7 @@ class Engine:
         m.segment_lead_tokens = plan.lead_tokens
         m.computed_tokens = plan.tokens(SpanKind.COMPUTE)
         m.recomputed_tokens = prefill.recomputed
+        m.repair_fallback = prefill.repair.fell_back
         m.prefill_flops = prefill.work.flops
         for promoted in prefill.promoted:
             m.store_hit_tokens[promoted.tier] = m.store_hit_tokens.get(promoted.tier, 0) + promoted.num_tokens

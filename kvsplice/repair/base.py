@@ -40,6 +40,8 @@ class RepairTask:
     target: float = 0.0
     # The segment shift's scale (repair/shift.py); 0: none.
     shift: float = 0.0
+    # After the policy is done: below this first-token margin, recompute every stale token (RepairRun).
+    fallback_margin: float = 0.0
 
 
 @dataclass(frozen=True)

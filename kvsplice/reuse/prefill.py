@@ -37,6 +37,7 @@ from kvsplice.reuse.lower_tiers import LowerTiers, Promotion
 from kvsplice.reuse.place import move_kv
 from kvsplice.reuse.plan import Plan, Span, SpanKind, make_plan
 from kvsplice.reuse.work import Pass, PrefillWork
+from kvsplice.sampling import top_margin
 
 
 class RepairRun:
@@ -57,6 +58,8 @@ class RepairRun:
                 by_segment.setdefault(span.segment, []).extend(range(span.start, span.end))
         self._segments = tuple(tuple(p) for p in by_segment.values())
         self._fresh: dict[int, set[int]] = {layer: set() for layer in range(layers)}
+        # Whether the fallback margin sent the request to a full prefill (`_fall_back`).
+        self.fell_back = False
         self.decision = policy.decide(task)
         # A pass already decided that runs after the current one.
         self._queued: Pass | None = None
@@ -116,11 +119,28 @@ class RepairRun:
         assert self.recomputed is not None
         more = self.policy.refine(self.task, logits) if logits is not None else None
         if not more:
-            return None
+            return self._fall_back(logits)
         assert set(more) <= set(self.task.plan.positions(SpanKind.SPLICED))
         self.recomputed = _union(self.recomputed, more)
         assert len(self.recomputed) <= self.task.budget
         return self._pass(_union(self._compute, more), range(self.task.num_layers))
+
+    def _fall_back(self, logits: torch.Tensor | None) -> Pass | None:
+        """Once the policy is done: where its first token leads the runner-up by less than the fallback
+        margin, one more pass recomputes every stale token, with the computed ones, from the first layer.
+        Every other token's KV is exact (a cached prefix, lead KV after the same head), so that pass
+        gives a full prefill's KV and logits. A near-tie is where repair flips first tokens: the full
+        prefill is torn there too, and agreeing with it takes KV all but exact (docs/fidelity.md)."""
+        margin = self.task.fallback_margin
+        assert self.recomputed is not None
+        if not margin or logits is None or self.fell_back or top_margin(logits) >= margin:
+            return None
+        stale = self.task.plan.stale()
+        if set(stale) <= set(self.recomputed):
+            return None  # already exact
+        self.fell_back = True
+        self.recomputed = _union(self.recomputed, stale)
+        return self._pass(_union(self._compute, stale), range(self.task.num_layers))
 
     def _pass(self, positions: tuple[int, ...], layers: range, observer: LayerObserver | None = None) -> Pass:
         """A pass, with the segment shift where it recomputes spliced tokens (repair/shift.py). The
@@ -342,7 +362,13 @@ class ReusePath:
         run = RepairRun(
             policy,
             RepairTask(
-                plan, budget, self.runner.num_layers, self.runner.cfg, settings.target, settings.shift
+                plan,
+                budget,
+                self.runner.num_layers,
+                self.runner.cfg,
+                settings.target,
+                settings.shift,
+                settings.fallback_margin,
             ),
         )
         work = PrefillWork(

@@ -87,6 +87,10 @@ class ServerMetrics:
         self.computed_tokens = counter(
             "kvsplice:computed_prompt_tokens", "Prompt tokens computed from scratch"
         ).labels(m)
+        self.repair_fallbacks = counter(
+            "kvsplice:repair_fallbacks",
+            "Spliced requests prefilled in full because repair left their first token a near-tie",
+        ).labels(m)
         self.errors = Counter(
             "kvsplice:request_errors",
             "Requests answered with an error, by HTTP status",
@@ -118,6 +122,7 @@ class ServerMetrics:
         self.discovered_hit_tokens.inc(m.discovered_hit_tokens)
         self.recomputed_tokens.inc(m.recomputed_tokens)
         self.computed_tokens.inc(m.computed_tokens)
+        self.repair_fallbacks.inc(int(m.repair_fallback))
 
     def abort(self, request_id: str) -> None:
         """A request cancelled before it finished (its client went away)."""

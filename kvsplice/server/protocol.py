@@ -52,6 +52,7 @@ class _Common(BaseModel):
     recompute_tokens: int | None = None
     repair_target: float | None = None
     repair_shift: float | None = None
+    repair_fallback_margin: float | None = None
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
@@ -92,6 +93,7 @@ class _Common(BaseModel):
             self.repair_target,
             self.cache_salt,
             self.repair_shift,
+            self.repair_fallback_margin,
         )
 
     @property
