@@ -45,6 +45,7 @@ def test_not_a_model_file(tmp_path: Path) -> None:
         {"repair": "magic"},
         {"recompute_ratio": 1.5},
         {"repair_shift": -0.1},
+        {"repair_fallback_margin": 1.5},
         {"block_size": 0},
         {"kv_cache_gb": -1},
     ],

@@ -108,6 +108,28 @@ def test_streaming_chat_matches(client: openai.OpenAI, model: str) -> None:
 # -- segments -------------------------------------------------------------------------------------
 
 
+def test_a_near_tie_after_repair_is_prefilled_in_full(
+    client: openai.OpenAI, model: str, server: ServerThread
+) -> None:
+    def ask(docs: list[str], margin: float) -> Any:
+        return client.chat.completions.create(
+            model=model,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which is oldest?"}],
+            max_tokens=2,
+            temperature=0,
+            extra_body={"documents": docs, "cache_salt": "fallback", "repair_fallback_margin": margin},
+        ).usage
+
+    assert ask(DOCS, 0.0).repair_fallbacks == 0
+    wait_idle(server)
+    before = metrics(server).get("kvsplice:repair_fallbacks_total", 0.0)
+    # A margin of 1: every first token is a near-tie, so every stale reused token is recomputed.
+    torn = ask([DOCS[1], DOCS[2], DOCS[0]], 1.0)
+    assert torn.segment_hit_tokens > 0 and torn.repair_fallbacks == 1
+    assert torn.recomputed_tokens == torn.segment_hit_tokens - torn.segment_lead_tokens
+    assert metrics(server)["kvsplice:repair_fallbacks_total"] == before + 1
+
+
 def test_chat_documents_reordered_hit_the_segment_store(
     client: openai.OpenAI, model: str, server: ServerThread
 ) -> None:

@@ -170,18 +170,24 @@ def parse_systems(names: Sequence[str], budgets: Sequence[float] = DEFAULT_BUDGE
                 f"splice:<policy>@<percent> (policies: {', '.join(POLICY_NAMES)})"
             )
         for knob, value in knobs:
-            found = [
-                dataclasses.replace(s, name=f"{s.name}+{knob}{value:g}", **{SUFFIXES[knob]: value})
-                for s in found
-            ]
+            found = [_with(s, knob, value) for s in found]
         for system in found:
             systems.setdefault(system.name, system)
     reference = systems.pop(REFERENCE, System(REFERENCE, REFERENCE))
     return [reference, *systems.values()]
 
 
-# A splice system's suffixes: +<knob><value>, each a number in [0, 1], and the System field it sets.
-SUFFIXES = {"shift": "shift", "fallback": "fallback_margin"}
+# A splice system's suffixes: +<knob><value>, each a number in [0, 1].
+SUFFIXES = ("shift", "fallback")
+
+
+def _with(system: System, knob: str, value: float) -> System:
+    """The system with a suffix's knob set: its own name, so its own cache salt."""
+    name = f"{system.name}+{knob}{value:g}"
+    if knob == "shift":
+        return dataclasses.replace(system, name=name, shift=value)
+    assert knob == "fallback"
+    return dataclasses.replace(system, name=name, fallback_margin=value)
 
 
 def _knobs(item: str, suffixes: Sequence[str]) -> list[tuple[str, float]]:

@@ -162,6 +162,7 @@ def usage(metrics: list[RequestMetrics]) -> dict[str, Any]:
         "segment_lead_tokens": sum(m.segment_lead_tokens for m in metrics),
         "discovered_hit_tokens": discovered,
         "recomputed_tokens": sum(m.recomputed_tokens for m in metrics),
+        "repair_fallbacks": sum(m.repair_fallback for m in metrics),
         "store_hit_tokens": sum(sum(m.store_hit_tokens.values()) for m in metrics),
     }
 
