@@ -51,7 +51,6 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], int]] = [
     ({"prompt": "hi", "repair_shift": 1.5}, 400),
     ({"prompt": "hi", "repair_shift": "half"}, 400),
     ({"prompt": "hi", "repair_fallback_margin": -0.01}, 400),
-    ({"prompt": "hi", "repair_fallback_margin": True}, 400),
     ({"prompt": "hi", "repair_fallback_margin": 0.05}, 200),
     ({}, 400),
     ({"prompt": ""}, 200),
