@@ -163,3 +163,29 @@ def test_a_request_that_does_not_fit_waits_for_memory_then_runs(model_dir: Path)
     alone = _llm(model_dir, 16, prefix_cache="off").generate([[4] * 60], params)[0]
     again = llm.generate([[4] * 60], params)[0]
     assert again.token_ids == alone.token_ids
+
+
+def test_a_shift_sample_that_does_not_fit_waits_for_a_later_step(model_dir: Path) -> None:
+    """Chunks of a pass with the segment shift never cut a sample, so a chunk can be longer than its
+    grant. Such a chunk runs only as a step's first prefill chunk: every other step stays within the
+    budget, and every request still finishes."""
+    budget = 10
+    engine = _llm(model_dir, budget, prefix_cache="radix", long_prefill_token_threshold=4).engine
+    options = RequestOptions(repair="lead", recompute_ratio=0.5, repair_shift=0.5)
+    engine.add_request(_parts([0, 1, 2]), ONE, options)
+    _drive(engine)
+    for order in ([2, 0, 1], [1, 2, 0], [2, 1, 0]):
+        engine.add_request(_parts(order), SamplingParams(max_tokens=3, ignore_eos=True), options)
+    over = shared = 0
+    while engine.has_unfinished():
+        while (admitted := engine.scheduler.admit_next()) is not None:
+            engine._prepare(admitted)
+        batch = engine.scheduler.schedule()
+        assert batch.num_tokens > 0
+        if batch.num_tokens > budget:
+            over += 1
+            assert len(batch.prefill) == 1, "only a step's first prefill chunk may exceed the budget"
+        shared += len(batch.prefill) > 1
+        engine.step()
+    # The case arose (a sample longer than the budget), and steps were shared otherwise.
+    assert over > 0 and shared > 0

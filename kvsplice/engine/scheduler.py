@@ -5,8 +5,9 @@ Every step, in this order, up to `max_num_batched_tokens` tokens:
 2. requests still in prefill get chunks of their prefill, first-come first-served: in a first round
    each takes at most `long_prefill_token_threshold` tokens, so a long prompt cannot hold back a short
    one that arrived during its prefill; what is left goes round again, in the same order, uncapped
-   (a repair pass with the segment shift takes whole samples, repair/shift.py: a first chunk may
-   exceed its share, and the step its budget, by the sample that starts it);
+   (a repair pass with the segment shift takes whole samples, repair/shift.py: a chunk may exceed its
+   share by the sample that starts it, and a sample that does not fit the step waits for a later one,
+   except in the step's first prefill chunk, which may exceed the budget by it);
 3. waiting requests are admitted in arrival order (the head of the queue is never skipped, so none
    starves) while seats, memory and budget last, and take their first chunk in the same rounds;
 4. budget nobody needed is left for background work (filling the segment store), but only in a step
@@ -93,6 +94,11 @@ class Scheduler:
                 if want <= 0:
                     continue
                 take = request.prefill.work.chunk_tokens(given + want) - given
+                if take > budget and grants:
+                    # A segment shift's sample that does not fit what is left waits for a step of its
+                    # own; the first prefill granted in a step may take one larger than the whole budget,
+                    # so every request makes progress.
+                    continue
                 if take > 0:
                     grants[request.request_id] = given + take
                     budget -= take
