@@ -4,6 +4,7 @@ a brute-force search over every threshold. No model."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -139,13 +140,20 @@ def _write(tmp_path: Path, name: str, records: list[RequestRecord]) -> Path:
 
 
 def test_the_command_finds_and_replays_gates(tmp_path: Path, capsys) -> None:
-    a = _write(tmp_path, "a", _records(CASES))
+    records = _records(CASES)
+    # A system that ran with a fallback margin and used it is not replayed on top of its own gate.
+    gated = [
+        replace(r, system="splice+fallback0.1", fell_back=(r.margin or 0) < 0.1)
+        for r in records
+        if r.system == "splice"
+    ]
+    a = _write(tmp_path, "a", records + gated)
     old = _write(tmp_path, "old", _records(CASES, margins=False))
     gate.main([str(a), str(old)])
     out = capsys.readouterr().out
     # Every target (95%, 98%): all four must be right; the least threshold gates r0 and r2 only if
     # that suffices, and it does (r1 and r3 are within KL 0.05 and agree).
     assert "| splice | 4 | 12.5% | 50% | 75% | 0.040: 2 (50%), 62.5% | 0.040: 2 (50%), 62.5% |" in out
-    assert "no system with its margins recorded" in out
+    assert "no system with its margins recorded" in out and "splice+fallback0.1" not in out
     gate.main([str(a), str(a), "--pool", "--threshold", "0.05"])
     assert "| splice | 0.05 | 8 | 4 (50%) | 100% | 100% | +0.0 | 62.5% |" in capsys.readouterr().out

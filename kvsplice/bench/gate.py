@@ -106,11 +106,18 @@ class GateRow:
     every: GatePoint | None
 
 
+def replayable(pairs: Sequence[Pair]) -> bool:
+    """Whether a system's records can be replayed: each keeps the margin of the system's own splice.
+    Not those of a system that ran with a fallback margin and fell back (`+fallback<m>`): a request
+    it prefilled in full keeps the full prefill's margin, and has paid for it already."""
+    return all(r.margin is not None and not r.fell_back for r, _ in pairs)
+
+
 def gates(records: Sequence[RequestRecord], reference: str, t: Targets = TARGETS) -> list[GateRow]:
-    """Per setting and system with margins recorded: the system as it ran and its least gates."""
+    """Per setting and system that can be replayed: the system as it ran and its least gates."""
     rows = []
     for (setting, system), pairs in paired(records, reference).items():
-        if all(r.margin is not None for r, _ in pairs):
+        if replayable(pairs):
             rows.append(
                 GateRow(setting, system, replay(pairs, 0.0, t), least(pairs, t, True), least(pairs, t))
             )
@@ -184,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         points = []
         for name, records, reference in named:
             for (setting, system), pairs in paired(records, reference).items():
-                if all(r.margin is not None for r, _ in pairs):
+                if replayable(pairs):
                     points.append((f"{name} {setting}".strip(), system, replay(pairs, args.threshold)))
         print(points_table(points) if points else "no run records its systems' margins")
         return
