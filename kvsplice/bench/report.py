@@ -276,25 +276,14 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
     from kvsplice.bench import gate, headroom
 
     costs = headroom.headroom(r.records, r.systems[0])
-    if costs:
-        lines += [
-            "",
-            "## What the fidelity targets would cost",
-            "",
-            headroom.table(costs),
-            "",
-            headroom.legend(),
-        ]
     gated = gate.gates(r.records, r.systems[0])
-    if gated:
-        lines += [
-            "",
-            "## A fallback gated on the system's own confidence",
-            "",
-            gate.table(gated),
-            "",
-            gate.LEGEND,
-        ]
+    sections = [
+        ("What the fidelity targets would cost", headroom.table(costs) if costs else "", headroom.legend()),
+        ("A fallback gated on the system's own confidence", gate.table(gated) if gated else "", gate.LEGEND),
+    ]
+    for title, table, legend in sections:
+        if table:
+            lines += ["", f"## {title}", "", table, "", legend]
     failures = Counter((x.system, x.error) for x in r.records if x.error is not None)
     if failures:
         lines += ["", "## Failures", ""]
