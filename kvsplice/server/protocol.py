@@ -20,11 +20,15 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict types: JSON `true` is not the number 1 nor "0.5" a number, as in OpenAI's API (lax,
+    # `"repair_fallback_margin": true` became 1.0, a full prefill of every spliced request).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
