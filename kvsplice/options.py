@@ -50,11 +50,12 @@ class RequestOptions:
     def __post_init__(self) -> None:
         if self.repair is not None and self.repair not in POLICY_NAMES:
             raise InvalidRequestError(f"unknown repair policy {self.repair!r}; choose one of {POLICY_NAMES}")
-        ratio = self.recompute_ratio
-        if ratio is not None and (
-            isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 1
-        ):
-            raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
+        for name in ("recompute_ratio", "repair_shift", "repair_fallback_margin"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1
+            ):
+                raise InvalidRequestError(f"{name} must be in [0, 1], got {value!r}")
         tokens = self.recompute_tokens
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
             raise InvalidRequestError(f"recompute_tokens must be an integer >= 0, got {tokens!r}")
@@ -63,16 +64,6 @@ class RequestOptions:
             isinstance(target, bool) or not isinstance(target, int | float) or not 0 <= target < math.inf
         ):
             raise InvalidRequestError(f"repair_target must be a number >= 0 (a KL in nats), got {target!r}")
-        shift = self.repair_shift
-        if shift is not None and (
-            isinstance(shift, bool) or not isinstance(shift, int | float) or not 0 <= shift <= 1
-        ):
-            raise InvalidRequestError(f"repair_shift must be in [0, 1], got {shift!r}")
-        margin = self.repair_fallback_margin
-        if margin is not None and (
-            isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin <= 1
-        ):
-            raise InvalidRequestError(f"repair_fallback_margin must be in [0, 1], got {margin!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
 
@@ -83,7 +74,7 @@ class RequestOptions:
         recompute_tokens: int | None,
         repair_target: float,
         repair_shift: float,
-        repair_fallback_margin: float = 0.0,
+        repair_fallback_margin: float,
     ) -> RepairSettings:
         """The settings with the engine's defaults (EngineConfig's fields of the same names) filled in."""
         return RepairSettings(

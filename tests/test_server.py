@@ -108,17 +108,24 @@ def test_streaming_chat_matches(client: openai.OpenAI, model: str) -> None:
 # -- segments -------------------------------------------------------------------------------------
 
 
+def _ask_documents(client: openai.OpenAI, model: str, question: str, docs: list[str], **extra: Any) -> Any:
+    """A two-token chat answer over `docs` (kvsplice's `documents`, reusable segments); its usage."""
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"documents": docs, **extra},
+    ).usage
+
+
 def test_a_near_tie_after_repair_is_prefilled_in_full(
     client: openai.OpenAI, model: str, server: ServerThread
 ) -> None:
     def ask(docs: list[str], margin: float) -> Any:
-        return client.chat.completions.create(
-            model=model,
-            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which is oldest?"}],
-            max_tokens=2,
-            temperature=0,
-            extra_body={"documents": docs, "cache_salt": "fallback", "repair_fallback_margin": margin},
-        ).usage
+        return _ask_documents(
+            client, model, "Which is oldest?", docs, cache_salt="fallback", repair_fallback_margin=margin
+        )
 
     assert ask(DOCS, 0.0).repair_fallbacks == 0
     wait_idle(server)
@@ -134,16 +141,7 @@ def test_chat_documents_reordered_hit_the_segment_store(
     client: openai.OpenAI, model: str, server: ServerThread
 ) -> None:
     def ask(docs: list[str], salt: str) -> Any:
-        return client.chat.completions.create(
-            model=model,
-            messages=[
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": "Which document mentions a desert?"},
-            ],
-            max_tokens=2,
-            temperature=0,
-            extra_body={"documents": docs, "cache_salt": salt},
-        ).usage
+        return _ask_documents(client, model, "Which document mentions a desert?", docs, cache_salt=salt)
 
     first = ask(DOCS, "tenant-a")
     assert first.segment_hit_tokens == 0 and first.segment_lead_tokens == 0

@@ -62,21 +62,20 @@ def replay(pairs: Sequence[Pair], threshold: float, t: Targets = TARGETS) -> Gat
     """The gate at `threshold` over (system, full prefill) record pairs of the same requests."""
     assert pairs and all(r.margin is not None for r, _ in pairs), "the records carry the system's margin"
     n = len(pairs)
-    gated = [r.margin is not None and r.margin < threshold for r, _ in pairs]
-    close = sum(g or (r.kl is not None and r.kl <= t.kl) for g, (r, _) in zip(gated, pairs, strict=True))
-    agree = sum(g or bool(r.top1) for g, (r, _) in zip(gated, pairs, strict=True))
+    # (gated, system record, full prefill record) per request.
+    rows = [(r.margin is not None and r.margin < threshold, r, ref) for r, ref in pairs]
+    close = sum(g or (r.kl is not None and r.kl <= t.kl) for g, r, _ in rows)
+    agree = sum(g or bool(r.top1) for g, r, _ in rows)
     judged = all(r.correct is not None and ref.correct is not None for r, ref in pairs)
     accuracy_diff = None
     if judged:
-        correct = sum(bool(ref.correct if g else r.correct) for g, (r, ref) in zip(gated, pairs, strict=True))
+        correct = sum(bool(ref.correct if g else r.correct) for g, r, ref in rows)
         accuracy_diff = 100.0 * (correct - sum(bool(ref.correct) for _, ref in pairs)) / n
-    spent = sum(
-        r.prefill_flops + (ref.prefill_flops if g else 0.0) for g, (r, ref) in zip(gated, pairs, strict=True)
-    )
+    spent = sum(r.prefill_flops + (ref.prefill_flops if g else 0.0) for g, r, ref in rows)
     return GatePoint(
         threshold=threshold,
         requests=n,
-        gated=sum(gated),
+        gated=sum(g for g, _, _ in rows),
         close_share=close / n,
         top1=agree / n,
         accuracy_diff=accuracy_diff,
@@ -106,22 +105,23 @@ class GateRow:
     every: GatePoint | None
 
 
-def replayable(pairs: Sequence[Pair]) -> bool:
-    """Whether a system's records can be replayed: each keeps the margin of the system's own splice.
-    Not those of a system that ran with a fallback margin and fell back (`+fallback<m>`): a request
-    it prefilled in full keeps the full prefill's margin, and has paid for it already."""
-    return all(r.margin is not None and not r.fell_back for r, _ in pairs)
+def replayable(records: Sequence[RequestRecord], reference: str) -> dict[tuple[str, str], list[Pair]]:
+    """`paired`'s groups whose records can be replayed: each keeps the margin of the system's own
+    splice. Not those of a system that ran with a fallback margin and fell back (`+fallback<m>`): a
+    request it prefilled in full keeps the full prefill's margin, and has paid for it already."""
+    return {
+        key: pairs
+        for key, pairs in paired(records, reference).items()
+        if all(r.margin is not None and not r.fell_back for r, _ in pairs)
+    }
 
 
 def gates(records: Sequence[RequestRecord], reference: str, t: Targets = TARGETS) -> list[GateRow]:
     """Per setting and system that can be replayed: the system as it ran and its least gates."""
-    rows = []
-    for (setting, system), pairs in paired(records, reference).items():
-        if replayable(pairs):
-            rows.append(
-                GateRow(setting, system, replay(pairs, 0.0, t), least(pairs, t, True), least(pairs, t))
-            )
-    return rows
+    return [
+        GateRow(setting, system, replay(pairs, 0.0, t), least(pairs, t, True), least(pairs, t))
+        for (setting, system), pairs in replayable(records, reference).items()
+    ]
 
 
 def _cell(p: GatePoint | None) -> str:
@@ -190,9 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threshold is not None:
         points = []
         for name, records, reference in named:
-            for (setting, system), pairs in paired(records, reference).items():
-                if replayable(pairs):
-                    points.append((f"{name} {setting}".strip(), system, replay(pairs, args.threshold)))
+            for (setting, system), pairs in replayable(records, reference).items():
+                points.append((f"{name} {setting}".strip(), system, replay(pairs, args.threshold)))
         print(points_table(points) if points else "no run records its systems' margins")
         return
     for name, records, reference in named:

@@ -128,8 +128,9 @@ class RepairRun:
     def _fall_back(self, logits: torch.Tensor | None) -> Pass | None:
         """Once the policy is done: where its first token leads the runner-up by less than the fallback
         margin, one more pass recomputes every stale token, with the computed ones, from the first layer.
-        Every other token's KV is exact (a cached prefix, lead KV after the same head), so that pass
-        gives a full prefill's KV and logits. A near-tie is where repair flips first tokens: the full
+        That gives a full prefill's KV and logits where the rest is exact: lead KV after the same head,
+        a cached prefix under plain ids (a prefix hit under segment keys may hold an earlier request's
+        spliced KV, which this pass leaves as it is). A near-tie is where repair flips first tokens: the full
         prefill is torn there too, and agreeing with it takes KV all but exact (docs/fidelity.md)."""
         margin = self.task.fallback_margin
         assert self.recomputed is not None
