@@ -10,16 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsplice.models.runner import ForwardResult
-from kvsplice.repair.shift import MIN_SAMPLE, SegmentShift
+from kvsplice.repair.shift import MIN_SAMPLE, SegmentShift, median
 from kvsplice.reuse.work import Pass, PrefillWork
 
 H, D = 2, 8
 FREQ = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))  # [D/2]
+KIND = "global"
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor = FREQ) -> torch.Tensor:
     """RoPE with halves as the real and imaginary parts: x [N, H, D] at positions [N]."""
-    angle = positions.double()[:, None] * FREQ.double()[None]  # [N, D/2]
+    angle = positions.double()[:, None] * freq.double()[None]  # [N, D/2]
     z = torch.complex(x[..., : D // 2].double(), x[..., D // 2 :].double())
     z = z * torch.polar(torch.ones_like(angle), angle)[:, None, :]
     return torch.cat([z.real, z.imag], dim=-1).float()
@@ -54,7 +55,7 @@ def test_a_shared_error_is_moved_onto_the_other_tokens() -> None:
     segment = tuple(range(2, 18))
     chunk = torch.tensor([3, 5, 8, 11, 19])  # 4 of the segment's tokens and one computed token
     k, v = _rotate(true_k[chunk], chunk), true_v[chunk]
-    _shift(1.0, [segment], chunk).apply(0, chunk, positions, k, v, pool_k, pool_v, FREQ)
+    _shift(1.0, [segment], chunk).apply(0, chunk, positions, k, v, pool_k, pool_v, FREQ, KIND)
     rest = [p for p in segment if p not in chunk.tolist()]
     torch.testing.assert_close(pool_k[rest], _rotate(true_k[rest], torch.tensor(rest)), atol=1e-5, rtol=0)
     torch.testing.assert_close(pool_v[rest], true_v[rest], atol=1e-5, rtol=0)
@@ -69,7 +70,7 @@ def test_the_scale_moves_part_of_the_way() -> None:
     true_k, true_v, pool_k, pool_v, positions, (ck, cv) = _setup(seed=1)
     chunk = torch.tensor([0, 1, 2, 3])
     _shift(0.5, [tuple(range(10))], chunk).apply(
-        0, chunk, positions, _rotate(true_k[chunk], chunk), true_v[chunk], pool_k, pool_v, FREQ
+        0, chunk, positions, _rotate(true_k[chunk], chunk), true_v[chunk], pool_k, pool_v, FREQ, KIND
     )
     # Half the shared error is left on the other tokens, in the keys before RoPE and in the values.
     left_k = true_k[4:10] - _rotate(pool_k[4:10], -torch.arange(4, 10))
@@ -84,21 +85,23 @@ def test_too_small_a_sample_and_fresh_tokens_are_left_alone_once_per_layer() -> 
     segment = tuple(range(2, 18))
     few = torch.arange(2, 2 + MIN_SAMPLE - 1)
     _shift(1.0, [segment], few).apply(
-        0, few, positions, _rotate(true_k[few], few), true_v[few], pool_k, pool_v, FREQ
+        0, few, positions, _rotate(true_k[few], few), true_v[few], pool_k, pool_v, FREQ, KIND
     )
     assert torch.equal(pool_k, before_k) and torch.equal(pool_v, before_v)
     chunk = torch.arange(5, 5 + MIN_SAMPLE)
     shift = _shift(1.0, [segment], chunk, layers=2, fresh0={15, 16})
-    shift.apply(0, chunk, positions, _rotate(true_k[chunk], chunk), true_v[chunk], pool_k, pool_v, FREQ)
+    shift.apply(0, chunk, positions, _rotate(true_k[chunk], chunk), true_v[chunk], pool_k, pool_v, FREQ, KIND)
     # Recomputed on this layer by an earlier pass: left alone; the others are moved.
     assert torch.equal(pool_v[[15, 16]], before_v[[15, 16]])
     torch.testing.assert_close(pool_v[[2, 3, 4, 9, 17]], true_v[[2, 3, 4, 9, 17]], atol=1e-5, rtol=0)
     moved = pool_v.clone()
     shift.apply(
-        0, chunk, positions, _rotate(true_k[chunk], chunk) + 1, true_v[chunk] + 1, pool_k, pool_v, FREQ
+        0, chunk, positions, _rotate(true_k[chunk], chunk) + 1, true_v[chunk] + 1, pool_k, pool_v, FREQ, KIND
     )
     assert torch.equal(pool_v, moved), "once per layer and segment"
-    shift.apply(1, chunk, positions, _rotate(true_k[chunk], chunk), true_v[chunk] + 1, pool_k, pool_v, FREQ)
+    shift.apply(
+        1, chunk, positions, _rotate(true_k[chunk], chunk), true_v[chunk] + 1, pool_k, pool_v, FREQ, KIND
+    )
     assert not torch.equal(pool_v, moved), "another layer is shifted on its own"
 
 
@@ -118,7 +121,7 @@ def test_a_pass_names_the_samples_its_chunks_must_not_cut_and_refuses_a_cut_one(
     assert half.whole() == [(2, 9)]
     cut = torch.tensor([2, 5])
     with pytest.raises(AssertionError, match="cuts no sample"):
-        shift.apply(0, cut, positions, _rotate(true_k[cut], cut), true_v[cut], pool_k, pool_v, FREQ)
+        shift.apply(0, cut, positions, _rotate(true_k[cut], cut), true_v[cut], pool_k, pool_v, FREQ, KIND)
 
 
 def test_a_few_outlying_errors_do_not_move_the_shift() -> None:
@@ -127,9 +130,37 @@ def test_a_few_outlying_errors_do_not_move_the_shift() -> None:
     k, v = _rotate(true_k[chunk], chunk), true_v[chunk].clone()
     # One recomputed token's value error is far from the shared one (a mean would take a fifth of it).
     v[2] += 100.0
-    _shift(1.0, [tuple(range(12))], chunk).apply(0, chunk, positions, k, v, pool_k, pool_v, FREQ)
+    _shift(1.0, [tuple(range(12))], chunk).apply(0, chunk, positions, k, v, pool_k, pool_v, FREQ, KIND)
     torch.testing.assert_close(pool_v[5:12], true_v[5:12], atol=1e-5, rtol=0)
     torch.testing.assert_close(pool_k[5:12], _rotate(true_k[5:12], torch.arange(5, 12)), atol=1e-5, rtol=0)
+
+
+def test_each_rope_kind_moves_keys_by_its_own_frequencies() -> None:
+    """Two layers of one pass with different RoPE (Gemma 3's local and global layers): each recovers
+    the shared key error with its own frequencies, though the shift computes each kind's angles once."""
+    local = FREQ * 0.37
+    segment = tuple(range(2, 18))
+    chunk = torch.tensor([3, 5, 8, 11])
+    rest = [p for p in segment if p not in chunk.tolist()]
+    shift = _shift(1.0, [segment], chunk, layers=3)
+    for layer, (freq, kind) in enumerate([(FREQ, KIND), (local, "local"), (FREQ, KIND)]):
+        g = torch.Generator().manual_seed(10 + layer)
+        true_k, shared = torch.randn(20, H, D, generator=g), torch.randn(H, D, generator=g)
+        positions = torch.arange(20)
+        pool_k, pool_v = _rotate(true_k - shared, positions, freq), torch.zeros(20, H, D)
+        k = _rotate(true_k[chunk], chunk, freq)
+        shift.apply(layer, chunk, positions, k, torch.zeros(4, H, D), pool_k, pool_v, freq, kind)
+        torch.testing.assert_close(
+            pool_k[rest], _rotate(true_k[rest], torch.tensor(rest), freq), atol=1e-5, rtol=0
+        )
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 40), width=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
+def test_the_median_is_quantile_one_half(n: int, width: int, seed: int) -> None:
+    """median() against torch.quantile(0.5) (the mean of the two middle values where n is even), with ties."""
+    x = torch.randint(-3, 4, (n, 2, width), generator=torch.Generator().manual_seed(seed)).float() / 3
+    torch.testing.assert_close(median(x), torch.quantile(x, 0.5, dim=0), atol=1e-6, rtol=0)
 
 
 @settings(max_examples=200, deadline=None)

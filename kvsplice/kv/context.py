@@ -71,9 +71,10 @@ class ForwardContext:
             self.observer.observe(layer, self, q, k, v)
         if self.shift is not None:
             assert self.sequence_slots is not None
-            freq = self.freqs[self.cfg.layer_types[layer]]
-            pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
-            self.shift.apply(layer, self.positions[0], self.sequence_slots, k[0], v[0], pool_k, pool_v, freq)
+            kind = self.cfg.layer_types[layer]
+            pool_k, pool_v, freq = self.pool.k[layer], self.pool.v[layer], self.freqs[kind]
+            slots = self.sequence_slots
+            self.shift.apply(layer, self.positions[0], slots, k[0], v[0], pool_k, pool_v, freq, kind)
         self.pool.write(layer, self.write_slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
         keys, values = self.pool.read(layer, self.key_slots)  # [B, S, Hkv, D]
         return attend(
