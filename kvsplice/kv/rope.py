@@ -63,6 +63,10 @@ def rotate_by(keys: torch.Tensor, delta: torch.Tensor, freq: torch.Tensor) -> to
 
     Computed in float32 whatever the storage dtype, so a stored low-precision key loses nothing more.
     """
-    cos, sin = cos_sin(delta, freq)
+    return rotate(keys, *cos_sin(delta, freq))
+
+
+def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate_by` with the angles' cos and sin ([N, D], from `cos_sin`) given: keys [N, H, D] -> same."""
     moved = apply(keys.to(torch.float32)[None], cos[None], sin[None])[0]
     return moved.to(keys.dtype)

@@ -119,11 +119,11 @@ class SegmentShift:
             slots = key_slots[sample.at]
             # The keys' error at position 0 ([n, Hkv, D]): the part shared across positions is there, not
             # after RoPE. Rotation is linear, so the difference is rotated once.
-            error_k = rope.apply((k[sample.rows].float() - pool_k[slots].float())[None], *back)[0]
+            error_k = rope.rotate(k[sample.rows].float() - pool_k[slots].float(), *back)
             dk = median(error_k)  # [Hkv, D]
             dv = median(v[sample.rows].float() - pool_v[slots].float())
             targets = key_slots[sample.to]
-            moved = rope.apply(dk.expand(len(sample.to), -1, -1)[None], *forth)[0]  # [r, Hkv, D]
+            moved = rope.rotate(dk.expand(len(sample.to), -1, -1), *forth)  # [r, Hkv, D]
             pool_k[targets] = (pool_k[targets].float() + self.scale * moved).to(pool_k.dtype)
             pool_v[targets] = (pool_v[targets].float() + self.scale * dv).to(pool_v.dtype)
 
@@ -170,13 +170,11 @@ class _Sample:
     def angles(
         self, rope_kind: str, freq: torch.Tensor
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """cos and sin ([1, n|r, D], rope.apply's layout) that move keys from `at` to position 0 and
-        from 0 to `to`: computed once per RoPE kind, not per layer (they were a third of the shift's time)."""
+        """cos and sin ([n|r, D]) that move keys from `at` to position 0 and from 0 to `to`: computed
+        once per RoPE kind, not per layer (they were a third of the shift's time)."""
         found = self._angles.get(rope_kind)
         if found is None:
-            back = rope.cos_sin(-self.at, freq)
-            forth = rope.cos_sin(self.to, freq)
-            found = ((back[0][None], back[1][None]), (forth[0][None], forth[1][None]))
+            found = (rope.cos_sin(-self.at, freq), rope.cos_sin(self.to, freq))
             self._angles[rope_kind] = found
         return found
 
