@@ -146,7 +146,7 @@ def test_after_a_question_probe_only_the_question_runs_the_probe_layers_again() 
     first layer; every other computed token resumes from the probe, so it runs each layer once."""
     from collections import Counter
 
-    from kvsplice.reuse.prefill import RepairRun
+    from kvsplice.reuse.repair_run import RepairRun
 
     # Positions 0-1 cached, 2-4 and 6-8 spliced, 5 (a new document, a separator) and 9-11 (the
     # question) computed.
@@ -177,7 +177,7 @@ def test_after_a_question_probe_only_the_question_runs_the_probe_layers_again() 
 def test_a_new_document_after_the_last_reused_one_is_not_the_question() -> None:
     from collections import Counter
 
-    from kvsplice.reuse.prefill import RepairRun
+    from kvsplice.reuse.repair_run import RepairRun
 
     # Positions 0-1 cached, 2-4 spliced, 5-8 a marked document new to the store (computed), 9-11 the
     # question.
@@ -332,7 +332,7 @@ def test_each_adaptive_round_recomputes_leads_choice_at_its_budget_afresh() -> N
 
 
 def test_repair_passes_carry_the_segment_shift_of_the_approximate_segments() -> None:
-    from kvsplice.reuse.prefill import RepairRun
+    from kvsplice.reuse.repair_run import RepairRun
 
     # Positions 0-1 cached, 2-4 spliced from lead KV (exact), 6-8 spliced, 5 and 9-11 computed.
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)], lead_kv=frozenset({0}))
@@ -348,7 +348,7 @@ def test_repair_passes_carry_the_segment_shift_of_the_approximate_segments() -> 
 
 
 def test_each_adaptive_round_leaves_alone_what_earlier_rounds_recomputed() -> None:
-    from kvsplice.reuse.prefill import RepairRun
+    from kvsplice.reuse.repair_run import RepairRun
 
     # As above: round 1 recomputes lead's choice at 15, round 2 at 30 (round 1's tokens with it).
     plan = make_plan(104, 1, [(1, 51, 0), (51, 101, 1)])
