@@ -3,8 +3,8 @@
     prepare(prompt, ...)   look up the prompt's segments in the store, find the spans it shares
                            with earlier prompts without markup (when a span finder is given), plan
                            the spans, place the stored KV of spliced spans at their new positions,
-                           and ask the repair policy what to recompute: returns a `Prefill` (the
-                           plan, the work, and what was decided once the work is done)
+                           and start the repair policy's run (repair_run.py): returns a `Prefill`
+                           (the plan, the work, and what was decided once the work is done)
 
 A segment the pool's store lacks is first asked of the tiers below it (disk, Redis: lower_tiers.py);
 a hit there is promoted into the pool's store and spliced like any other. Then of the engine's queued
