@@ -50,12 +50,12 @@ class RepairRun:
                 f"{policy.name} recomputes {len(self.decision.recompute)} > {task.budget}"
             )
             self.recomputed: tuple[int, ...] | None = self.decision.recompute
-            self.first = self._pass(union(self._compute, self.decision.recompute), range(layers))
+            self.first = self._pass(_union(self._compute, self.decision.recompute), range(layers))
         else:
             assert set(probe.positions) <= spliced and 0 <= probe.last_layer < layers
             self.recomputed = None
             self.first = self._pass(
-                union(self._compute, probe.positions), range(probe.last_layer + 1), probe.observer
+                _union(self._compute, probe.positions), range(probe.last_layer + 1), probe.observer
             )
 
     def next_pass(self, logits: torch.Tensor | None) -> Pass | None:
@@ -69,13 +69,13 @@ class RepairRun:
         chosen = self.policy.choose(self.task, probe, logits)
         assert len(chosen) <= self.task.budget
         self.recomputed = chosen
-        rest = self._pass(union(self._compute, chosen), range(probe.last_layer + 1, self.task.num_layers))
+        rest = self._pass(_union(self._compute, chosen), range(probe.last_layer + 1, self.task.num_layers))
         if not probe.resume:
             assert set(chosen) <= set(self.task.plan.positions(SpanKind.SPLICED))
             if not rest.layers:
                 # The probe ran every layer (the adaptive policy's first estimate): a round of repair
                 # from the first layer, as `refine` asks for.
-                return self._pass(union(self._compute, chosen), range(self.task.num_layers))
+                return self._pass(_union(self._compute, chosen), range(self.task.num_layers))
             # The question (plan.question(): the computed tokens after the last reused one and after the
             # last marked segment, so not a new document that follows the last reused one) runs the
             # probe's layers again with the chosen, over their repaired KV: letting it resume (its first
@@ -84,7 +84,7 @@ class RepairRun:
             # token compute the same either way; those after it (documents new to the store, separators)
             # saw the chosen tokens' KV unrepaired in the probe's layers, which measured as no loss
             # (see repair/query.py) and saves those layers for every new document.
-            again = union(self.task.plan.question(), chosen)
+            again = _union(self.task.plan.question(), chosen)
             if not again:
                 return rest
             if len(again) == len(rest.positions):  # nothing resumes: one pass from the first layer
@@ -101,9 +101,9 @@ class RepairRun:
         if not more:
             return self._fall_back(logits)
         assert set(more) <= set(self.task.plan.positions(SpanKind.SPLICED))
-        self.recomputed = union(self.recomputed, more)
+        self.recomputed = _union(self.recomputed, more)
         assert len(self.recomputed) <= self.task.budget
-        return self._pass(union(self._compute, more), range(self.task.num_layers))
+        return self._pass(_union(self._compute, more), range(self.task.num_layers))
 
     def _fall_back(self, logits: torch.Tensor | None) -> Pass | None:
         """Once the policy is done: where its first token leads the runner-up by less than the fallback
@@ -120,8 +120,8 @@ class RepairRun:
         if set(stale) <= set(self.recomputed):
             return None  # already exact
         self.fell_back = True
-        self.recomputed = union(self.recomputed, stale)
-        return self._pass(union(self._compute, stale), range(self.task.num_layers))
+        self.recomputed = _union(self.recomputed, stale)
+        return self._pass(_union(self._compute, stale), range(self.task.num_layers))
 
     def _pass(self, positions: tuple[int, ...], layers: range, observer: LayerObserver | None = None) -> Pass:
         """A pass, with the segment shift where it recomputes spliced tokens (repair/shift.py). The
@@ -137,6 +137,5 @@ class RepairRun:
         return Pass(positions, layers, observer, shift)
 
 
-def union(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
-    """The sorted positions in either."""
+def _union(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted({*a, *b}))
