@@ -55,12 +55,14 @@ BUDGETS = (4096, 8, 7)
         "spliced_query",
         "spliced_lead",
         "spliced_adaptive",
+        "spliced_margin",
         "spliced_full",
         "spliced_recency+shift",
         "spliced_deviation+shift",
         "spliced_query+shift",
         "spliced_lead+shift",
         "spliced_adaptive+shift",
+        "spliced_margin+shift",
     ],
 )
 def test_chunk_size_does_not_change_the_logits(model_dir: Path, case: str) -> None:

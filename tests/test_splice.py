@@ -78,7 +78,13 @@ def test_segment_at_its_canonical_place_equals_the_prefix_cached_request(model_d
 
 @pytest.mark.parametrize(
     "policy, ratios",
-    [("none", [0.0]), ("boundary", [0.1, 0.3]), ("deviation", [0.1, 0.3]), ("recency", [0.1, 0.3])],
+    [
+        ("none", [0.0]),
+        ("boundary", [0.1, 0.3]),
+        ("deviation", [0.1, 0.3]),
+        ("recency", [0.1, 0.3]),
+        ("margin", [0.1, 0.3]),
+    ],
 )
 def test_metrics_add_up_and_recompute_stays_in_budget(
     model_dir: Path, policy: str, ratios: list[float]

@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import torch
 
+from kvsplice.kv.attribution import MarginAttribution
 from kvsplice.kv.context import LayerObserver
 from kvsplice.model_config import ModelConfig
 from kvsplice.reuse.plan import Plan
@@ -49,11 +50,19 @@ class Probe:
     # Spliced positions computed on layers 0..last_layer, alongside every computed token.
     positions: tuple[int, ...]
     last_layer: int
-    observer: LayerObserver
+    # Watches the probe's layers (None: the policy needs only its logits or its attribution).
+    observer: LayerObserver | None
     # The chosen tokens and the computed ones resume from the probe's hidden states after last_layer
     # (the chosen must then be among the probed positions); else the chosen first run layers
     # 0..last_layer, and then both resume (a probe through every layer: both start again from layer 0).
     resume: bool = True
+    # After the probe, one more pass runs the question (plan.question()) through every layer over what the
+    # probe left and scores the KV it reads by its effect on the first token's margin (kv/attribution.py);
+    # the probe must have run every layer, so that the computed tokens' KV is there to read.
+    attribution: MarginAttribution | None = None
+
+    def __post_init__(self) -> None:
+        assert self.observer is not None or self.attribution is not None, "a probe watches something"
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvsplice.repair.adaptive import AdaptiveRepair
 from kvsplice.repair.base import RepairPolicy
+from kvsplice.repair.margin import MarginRepair
 from kvsplice.repair.policies import BoundaryRepair, DeviationRepair, FullRepair, NoRepair, RecencyRepair
 from kvsplice.repair.query import LeadQueryRepair, QueryRepair
 
@@ -17,6 +18,7 @@ POLICIES: dict[str, type[RepairPolicy]] = {
         QueryRepair,
         LeadQueryRepair,
         AdaptiveRepair,
+        MarginRepair,
         FullRepair,
     )
 }

@@ -1,9 +1,10 @@
 """A repair run: the passes a repair policy asks for, one after another, as the prefill's work.
 
 A policy decides at once (one pass through every layer) or after a probe (the probe's layers, then the
-chosen tokens' rest); a policy that refines asks for more rounds after each full pass; a fallback
-margin adds one pass that recomputes every stale token. Each pass carries the segment shift where it
-recomputes spliced tokens (repair/shift.py).
+chosen tokens' rest; a probe with a margin attribution adds the question's attributed pass between); a
+policy that refines asks for more rounds after each full pass; a fallback margin adds one pass that
+recomputes every stale token. Each pass carries the segment shift where it recomputes spliced tokens
+(repair/shift.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class RepairRun:
         self._fresh: dict[int, set[int]] = {layer: set() for layer in range(layers)}
         # Whether the fallback margin sent the request to a full prefill (`_fall_back`).
         self.fell_back = False
+        # Whether the probe's attribution pass was made (kv/attribution.py).
+        self._attributing = False
         self.decision = policy.decide(task)
         # A pass already decided that runs after the current one.
         self._queued: Pass | None = None
@@ -66,6 +69,10 @@ class RepairRun:
         if self.recomputed is not None:
             return self._refine(logits)
         assert probe is not None
+        if probe.attribution is not None and not self._attributing:
+            assert probe.last_layer == self.task.num_layers - 1, "the attribution reads every layer's KV"
+            self._attributing = True
+            return Pass(self.task.plan.question(), range(self.task.num_layers), attribution=probe.attribution)
         chosen = self.policy.choose(self.task, probe, logits)
         assert len(chosen) <= self.task.budget
         self.recomputed = chosen

@@ -1,0 +1,124 @@
+"""The margin attribution (kv/attribution.py) against finite differences through the plain forward pass.
+
+Its gradients come from autograd through the runner with the pool's KV read as leaves; the reference
+perturbs single pool entries and runs the runner's inference path again, which equals transformers'
+(tests/test_models.py). Both tiny families: a sliding window on some layers, grouped-query attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsplice.kv.attribution import MarginAttribution
+from kvsplice.kv.pool import KVPool
+from kvsplice.models.build import load_model
+from kvsplice.models.runner import ForwardChunk, ModelRunner
+from kvsplice.repair.base import Probe, RepairTask
+from kvsplice.repair.margin import MarginRepair
+from kvsplice.reuse.plan import make_plan
+from tests import tiny_models
+
+LENGTH = 40
+QUESTION = list(range(34, LENGTH))
+
+
+@pytest.fixture(scope="module", params=["Gemma3ForCausalLM", "LlamaForCausalLM"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp(request.param)
+    tiny_models.save(request.param, directory)
+    return load_model(directory, torch.float32, torch.device("cpu"))
+
+
+def _prefilled(model) -> tuple[ModelRunner, list[int], list[int]]:
+    pool = KVPool(model.cfg, 1 << 22, 8, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, pool)
+    table = pool.allocator.allocate(LENGTH // 8)
+    ids = torch.randint(0, 320, (LENGTH,), generator=torch.Generator().manual_seed(5)).tolist()
+    runner.prefill(table, ids, list(range(LENGTH)))
+    return runner, table, ids
+
+
+def _attribute(runner: ModelRunner, table: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    attribution = MarginAttribution(LENGTH)
+    chunk = ForwardChunk(
+        table,
+        QUESTION,
+        [ids[p] for p in QUESTION],
+        range(runner.num_layers),
+        need_logits=True,
+        attribution=attribution,
+    )
+    result = runner.forward(chunk)
+    assert attribution.done and result.logits is not None and not result.logits.requires_grad
+    return attribution.score, result.logits
+
+
+def _margin(logits: torch.Tensor, top: torch.Tensor) -> float:
+    logp = logits.double().log_softmax(-1)
+    return float(logp[top[0]] - logp[top[1]])
+
+
+def test_the_score_is_gradient_times_kv_by_finite_differences(model) -> None:
+    runner, table, ids = _prefilled(model)
+    score, logits = _attribute(runner, table, ids)
+    top = logits.topk(2).indices
+    slots = runner.pool.slots(table, torch.arange(LENGTH))
+    step = 1e-2
+    for position in (9, 30):
+        expected = 0.0
+        for tensors in (runner.pool.k, runner.pool.v):
+            for layer in range(runner.num_layers):
+                entry = tensors[layer, int(slots[position])]  # [Hkv, D], a view into the pool
+                for index in range(entry.numel()):
+                    value = float(entry.view(-1)[index])
+                    margins = []
+                    for sign in (1, -1):
+                        entry.view(-1)[index] = value + sign * step
+                        out = runner.prefill(table, ids, QUESTION).logits
+                        margins.append(_margin(out, top))
+                    entry.view(-1)[index] = value
+                    expected += abs(value * (margins[0] - margins[1]) / (2 * step))
+        assert float(score[position]) == pytest.approx(expected, rel=0.02, abs=1e-4)
+    # The question's own slots are replaced by what it computes: nothing there to repair.
+    assert float(score[QUESTION].abs().sum()) == 0.0
+
+
+def test_the_attributed_pass_computes_what_the_plain_pass_does(model) -> None:
+    runner, table, ids = _prefilled(model)
+    plain = runner.prefill(table, ids, QUESTION).logits
+    pool_k = runner.pool.k.clone()
+    _, attributed = _attribute(runner, table, ids)
+    torch.testing.assert_close(attributed, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runner.pool.k, pool_k, atol=1e-5, rtol=1e-5)
+    assert not runner.pool.k.requires_grad and not runner.pool.v.requires_grad
+
+
+def test_an_attribution_scores_one_pass(model) -> None:
+    runner, table, ids = _prefilled(model)
+    attribution = MarginAttribution(LENGTH)
+    chunk = ForwardChunk(
+        table,
+        QUESTION,
+        [ids[p] for p in QUESTION],
+        range(runner.num_layers),
+        need_logits=True,
+        attribution=attribution,
+    )
+    runner.forward(chunk)
+    with pytest.raises(AssertionError, match="one pass"):
+        runner.forward(chunk)
+
+
+def test_the_policy_chooses_the_first_segment_first_then_the_best_anywhere() -> None:
+    # Two segments of 10 spliced tokens after a 4-token head; the rest is computed.
+    plan = make_plan(30, 0, [(4, 14, 0), (14, 24, 1)])
+    task = RepairTask(plan, 6, num_layers=2)
+    probe = MarginRepair().decide(task).probe
+    assert isinstance(probe, Probe) and probe.attribution is not None and probe.observer is None
+    assert probe.last_layer == 1 and not probe.resume
+    probe.attribution.score[:] = torch.arange(30, dtype=torch.float32)
+    probe.attribution.done = True
+    # Half the budget to the first segment's best (11-13), the rest to the best of all (21-23), not
+    # the six best of all (18-23).
+    assert MarginRepair().choose(task, probe, None) == (11, 12, 13, 21, 22, 23)
