@@ -17,8 +17,8 @@ POLICIES: dict[str, type[RepairPolicy]] = {
         RecencyRepair,
         QueryRepair,
         LeadQueryRepair,
-        AdaptiveRepair,
         MarginRepair,
+        AdaptiveRepair,
         FullRepair,
     )
 }
