@@ -39,9 +39,11 @@ def _prefilled(model) -> tuple[ModelRunner, list[int], list[int]]:
     return runner, table, ids
 
 
-def _attribute(runner: ModelRunner, table: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    attribution = MarginAttribution(LENGTH)
-    chunk = ForwardChunk(
+def _question(
+    runner: ModelRunner, table: list[int], ids: list[int], attribution: MarginAttribution
+) -> ForwardChunk:
+    """The question through every layer, attributed."""
+    return ForwardChunk(
         table,
         QUESTION,
         [ids[p] for p in QUESTION],
@@ -49,7 +51,11 @@ def _attribute(runner: ModelRunner, table: list[int], ids: list[int]) -> tuple[t
         need_logits=True,
         attribution=attribution,
     )
-    result = runner.forward(chunk)
+
+
+def _attribute(runner: ModelRunner, table: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    attribution = MarginAttribution(LENGTH)
+    result = runner.forward(_question(runner, table, ids, attribution))
     assert attribution.done and result.logits is not None and not result.logits.requires_grad
     return attribution.score, result.logits
 
@@ -96,15 +102,7 @@ def test_the_attributed_pass_computes_what_the_plain_pass_does(model) -> None:
 
 def test_an_attribution_scores_one_pass(model) -> None:
     runner, table, ids = _prefilled(model)
-    attribution = MarginAttribution(LENGTH)
-    chunk = ForwardChunk(
-        table,
-        QUESTION,
-        [ids[p] for p in QUESTION],
-        range(runner.num_layers),
-        need_logits=True,
-        attribution=attribution,
-    )
+    chunk = _question(runner, table, ids, MarginAttribution(LENGTH))
     runner.forward(chunk)
     with pytest.raises(AssertionError, match="one pass"):
         runner.forward(chunk)

@@ -18,6 +18,7 @@ round, until it returns None (the adaptive policy).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -97,3 +98,15 @@ class RepairPolicy(ABC):
         """After a pass through every layer that gave `logits` [vocab]: more spliced positions (sorted)
         to recompute from the first layer, or None: the repair is done."""
         return None
+
+
+def probe_unless_settled(task: RepairTask, probe: Callable[[tuple[int, ...]], Probe]) -> RepairDecision:
+    """A probing policy's decision: nothing where no token is stale (plan.stale()) or the budget is 0,
+    every stale token where the budget covers them all (no probe could choose otherwise), else
+    `probe(stale)`."""
+    stale = tuple(task.plan.stale())
+    if not stale or task.budget <= 0:
+        return RepairDecision()
+    if task.budget >= len(stale):
+        return RepairDecision(stale)
+    return RepairDecision(probe=probe(stale))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kvsplice.kv.attribution import MarginAttribution
-from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask
+from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask, probe_unless_settled
 from kvsplice.repair.query import lead_choice
 
 
@@ -35,14 +35,11 @@ class MarginRepair(RepairPolicy):
     name = "margin"
 
     def decide(self, task: RepairTask) -> RepairDecision:
-        stale = task.plan.stale()
-        if not stale or task.budget <= 0:
-            return RepairDecision()
-        if task.budget >= len(stale):
-            return RepairDecision(tuple(stale))
-        attribution = MarginAttribution(task.plan.num_tokens)
-        probe = Probe((), task.num_layers - 1, None, resume=False, attribution=attribution)
-        return RepairDecision(probe=probe)
+        def probe(stale: tuple[int, ...]) -> Probe:
+            attribution = MarginAttribution(task.plan.num_tokens)
+            return Probe((), task.num_layers - 1, None, resume=False, attribution=attribution)
+
+        return probe_unless_settled(task, probe)
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert probe.attribution is not None and probe.attribution.done

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvsplice.kv.context import ForwardContext
-from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask
+from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask, probe_unless_settled
 from kvsplice.reuse.plan import SpanKind
 
 
@@ -85,15 +85,13 @@ class DeviationRepair(RepairPolicy):
         self.probe_layer = probe_layer
 
     def decide(self, task: RepairTask) -> RepairDecision:
-        # Not the tokens spliced from lead KV: exact, they would only cost the probe.
-        stale = tuple(task.plan.stale())
-        if not stale or task.budget <= 0:
-            return RepairDecision()
-        if task.budget >= len(stale):
-            return RepairDecision(stale)
         last = min(self.probe_layer, task.num_layers - 1)
-        observer = DeviationObserver(stale, frozenset({last}), task.plan.num_tokens)
-        return RepairDecision(probe=Probe(stale, last, observer))
+
+        # The stale tokens only, not those spliced from lead KV: exact, they would only cost the probe.
+        def probe(stale: tuple[int, ...]) -> Probe:
+            return Probe(stale, last, DeviationObserver(stale, frozenset({last}), task.plan.num_tokens))
+
+        return probe_unless_settled(task, probe)
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, DeviationObserver)

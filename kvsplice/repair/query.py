@@ -24,7 +24,7 @@ import torch
 
 from kvsplice.kv.context import ForwardContext
 from kvsplice.model_config import ModelConfig
-from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask
+from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask, probe_unless_settled
 from kvsplice.reuse.plan import Plan
 
 
@@ -96,13 +96,11 @@ class QueryRepair(RepairPolicy):
     name = "query"
 
     def decide(self, task: RepairTask) -> RepairDecision:
-        stale = task.plan.stale()
-        if not stale or task.budget <= 0:
-            return RepairDecision()
-        if task.budget >= len(stale):
-            return RepairDecision(tuple(stale))
-        assert task.model is not None, "the query policy needs the model's layer types"
-        return RepairDecision(probe=question_probe(task, max(probe_layers(task.model))))
+        def probe(stale: tuple[int, ...]) -> Probe:
+            assert task.model is not None, "the query policy needs the model's layer types"
+            return question_probe(task, max(probe_layers(task.model)))
+
+        return probe_unless_settled(task, probe)
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, QueryAttentionObserver)

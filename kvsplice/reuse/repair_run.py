@@ -41,8 +41,6 @@ class RepairRun:
         self._fresh: dict[int, set[int]] = {layer: set() for layer in range(layers)}
         # Whether the fallback margin sent the request to a full prefill (`_fall_back`).
         self.fell_back = False
-        # Whether the probe's attribution pass was made (kv/attribution.py).
-        self._attributing = False
         self.decision = policy.decide(task)
         # A pass already decided that runs after the current one.
         self._queued: Pass | None = None
@@ -69,9 +67,9 @@ class RepairRun:
         if self.recomputed is not None:
             return self._refine(logits)
         assert probe is not None
-        if probe.attribution is not None and not self._attributing:
+        if probe.attribution is not None and not probe.attribution.done:
+            # next_pass is asked only once a pass has run, so the attribution is done after its pass.
             assert probe.last_layer == self.task.num_layers - 1, "the attribution reads every layer's KV"
-            self._attributing = True
             return Pass(self.task.plan.question(), range(self.task.num_layers), attribution=probe.attribution)
         chosen = self.policy.choose(self.task, probe, logits)
         assert len(chosen) <= self.task.budget
