@@ -17,6 +17,7 @@ from kvsplice.models.runner import ForwardChunk, ModelRunner
 from kvsplice.repair.base import Probe, RepairTask
 from kvsplice.repair.margin import MarginRepair
 from kvsplice.reuse.plan import make_plan
+from kvsplice.reuse.repair_run import RepairRun
 from tests import tiny_models
 
 LENGTH = 40
@@ -120,3 +121,33 @@ def test_the_policy_chooses_the_first_segment_first_then_the_best_anywhere() -> 
     # Half the budget to the first segment's best (11-13), the rest to the best of all (21-23), not
     # the six best of all (18-23).
     assert MarginRepair().choose(task, probe, None) == (11, 12, 13, 21, 22, 23)
+
+
+def _passes(plan, budget: int) -> list[tuple[tuple[int, ...], range, bool]]:
+    """The margin run's passes on `plan` (positions, layers, attributed), its attribution scoring each
+    position by its index."""
+
+    run = RepairRun(MarginRepair(), RepairTask(plan, budget, num_layers=4))
+    found = [run.first]
+    while True:
+        if found[-1].attribution is not None:
+            found[-1].attribution.score[:] = torch.arange(plan.num_tokens, dtype=torch.float32)
+            found[-1].attribution.done = True
+        following = run.next_pass(None)
+        if following is None:
+            return [(p.positions, p.layers, p.attribution is not None) for p in found]
+        found.append(following)
+
+
+def test_the_question_runs_attributed_and_again_the_other_computed_tokens_once() -> None:
+    """No forward pass of the question before its attributed one (that pass writes its KV too), and after
+    the choice only the question and the chosen run again: the other computed tokens keep what the
+    first pass gave them."""
+    # Positions 0-1 cached, 2-4 and 6-8 spliced, 5 (a separator) and 9-11 (the question) computed.
+    plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
+    every = range(4)
+    # Budget 2: one to the first segment's best (4), one to the best anywhere (8).
+    assert _passes(plan, 2) == [((5,), every, False), ((9, 10, 11), every, True), ((4, 8, 9, 10, 11), every, False)]
+    # Nothing computed but the question: the attributed pass comes first.
+    plan = make_plan(12, 2, [(2, 5, 0), (5, 9, 1)])
+    assert _passes(plan, 2) == [((9, 10, 11), every, True), ((4, 8, 9, 10, 11), every, False)]

@@ -57,9 +57,10 @@ class Probe:
     # (the chosen must then be among the probed positions); else the chosen first run layers
     # 0..last_layer, and then both resume (a probe through every layer: both start again from layer 0).
     resume: bool = True
-    # After the probe, one more pass runs the question (plan.question()) through every layer over what the
-    # probe left and scores the KV it reads by its effect on the first token's margin (kv/attribution.py);
-    # the probe must have run every layer, so that the computed tokens' KV is there to read.
+    # A probe of the margin instead: the computed tokens but the question (plan.question()) run every layer,
+    # then the question does, scoring the KV it reads by its effect on the first token's margin
+    # (kv/attribution.py), then the question and the chosen run every layer again. Such a probe has no
+    # positions, last_layer = the last layer, and no resume.
     attribution: MarginAttribution | None = None
 
     def __post_init__(self) -> None:
