@@ -55,7 +55,7 @@ def _question(
 
 
 def _attribute(runner: ModelRunner, table: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    attribution = MarginAttribution(LENGTH)
+    attribution = MarginAttribution(LENGTH, tuple(QUESTION))
     result = runner.forward(_question(runner, table, ids, attribution))
     assert attribution.done and result.logits is not None and not result.logits.requires_grad
     return attribution.score, result.logits
@@ -103,7 +103,7 @@ def test_the_attributed_pass_computes_what_the_plain_pass_does(model) -> None:
 
 def test_an_attribution_scores_one_pass(model) -> None:
     runner, table, ids = _prefilled(model)
-    chunk = _question(runner, table, ids, MarginAttribution(LENGTH))
+    chunk = _question(runner, table, ids, MarginAttribution(LENGTH, tuple(QUESTION)))
     runner.forward(chunk)
     with pytest.raises(AssertionError, match="one pass"):
         runner.forward(chunk)
@@ -151,3 +151,15 @@ def test_the_question_runs_attributed_and_again_the_other_computed_tokens_once()
     # Nothing computed but the question: the attributed pass comes first.
     plan = make_plan(12, 2, [(2, 5, 0), (5, 9, 1)])
     assert _passes(plan, 2) == [((9, 10, 11), every, True), ((4, 8, 9, 10, 11), every, False)]
+
+
+def test_a_long_question_attributes_its_last_tokens_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The question's earlier tokens run forward with the other computed ones; all of it runs again."""
+    monkeypatch.setattr("kvsplice.repair.margin.ATTRIBUTED_TOKENS", 2)
+    plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
+    every = range(4)
+    assert _passes(plan, 2) == [
+        ((5, 9), every, False),
+        ((10, 11), every, True),
+        ((4, 8, 9, 10, 11), every, False),
+    ]

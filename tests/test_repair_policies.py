@@ -388,3 +388,18 @@ def test_no_policy_recomputes_tokens_spliced_from_lead_kv(name: str, budget: int
     assert chosen, f"{name} recomputes something within a budget of {budget}"
     assert set(chosen) <= {7, 8, 9}
     assert len(chosen) <= budget or not policy.budgeted
+
+
+def test_a_budget_neither_the_request_nor_the_engine_sets_is_the_policys_own() -> None:
+    """margin's probe costs more, so its own budget is smaller; a ratio set anywhere wins."""
+    from kvsplice.options import RequestOptions
+
+    def ratio(options: RequestOptions, engine_policy: str, engine_ratio: float | None) -> float:
+        return options.resolve(engine_policy, engine_ratio, None, 0.05, 0.0, 0.0).ratio
+
+    assert ratio(RequestOptions(), "margin", None) == 0.12
+    assert ratio(RequestOptions(), "lead", None) == 0.15
+    assert ratio(RequestOptions(repair="lead"), "margin", None) == 0.15
+    assert ratio(RequestOptions(repair="margin"), "lead", None) == 0.12
+    assert ratio(RequestOptions(recompute_ratio=0.3), "margin", 0.2) == 0.3
+    assert ratio(RequestOptions(), "margin", 0.2) == 0.2

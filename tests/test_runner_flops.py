@@ -50,7 +50,7 @@ def _question(runner: ModelRunner, table: list[int], ids: list[int], attributed:
         [ids[p] for p in QUESTION],
         range(runner.num_layers),
         need_logits=True,
-        attribution=MarginAttribution(LENGTH) if attributed else None,
+        attribution=MarginAttribution(LENGTH, tuple(QUESTION)) if attributed else None,
     )
 
 

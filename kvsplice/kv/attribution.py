@@ -19,7 +19,10 @@ import torch
 class MarginAttribution:
     """Collects the KV a pass reads on every layer and, given the pass's last logits, scores it."""
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: int, queries: tuple[int, ...]) -> None:
+        assert queries and queries[-1] == length - 1, "the margin is the last token's"
+        # The positions the attributed pass runs (sorted): their K/V stay differentiable, the rest is read.
+        self.queries = queries
         self.score = torch.zeros(length)  # [prompt tokens]
         self._read: list[torch.Tensor] = []
         self.done = False

@@ -57,10 +57,10 @@ class Probe:
     # (the chosen must then be among the probed positions); else the chosen first run layers
     # 0..last_layer, and then both resume (a probe through every layer: both start again from layer 0).
     resume: bool = True
-    # A probe of the margin instead: the computed tokens but the question (plan.question()) run every layer,
-    # then the question does, scoring the KV it reads by its effect on the first token's margin
-    # (kv/attribution.py), then the question and the chosen run every layer again. Such a probe has no
-    # positions, last_layer = the last layer, and no resume.
+    # A probe of the margin instead: the computed tokens but the attribution's queries (the question's
+    # last tokens) run every layer, then those do, scoring the KV they read by its effect on the first
+    # token's margin (kv/attribution.py), then the question (plan.question()) and the chosen run every
+    # layer again. Such a probe has no positions, last_layer = the last layer, and no resume.
     attribution: MarginAttribution | None = None
 
     def __post_init__(self) -> None:
@@ -85,6 +85,8 @@ class RepairPolicy(ABC):
     # Whether the request's budget (ratio or tokens) bounds the policy; else it may recompute every
     # reused token and stops by its quality target.
     budgeted: ClassVar[bool] = True
+    # The budget, as a fraction of the reused tokens, where neither the request nor the engine sets one.
+    default_ratio: ClassVar[float] = 0.15
 
     @abstractmethod
     def decide(self, task: RepairTask) -> RepairDecision:

@@ -1,8 +1,9 @@
 """A repair run: the passes a repair policy asks for, one after another, as the prefill's work.
 
 A policy decides at once (one pass through every layer) or after a probe (the probe's layers, then the
-chosen tokens' rest; a probe with a margin attribution is the computed tokens but the question through
-every layer, the question's attributed pass, then the question and the chosen from the first layer); a
+chosen tokens' rest; a probe with a margin attribution is the computed tokens but the question's last
+through every layer, the attributed pass of those, then the question and the chosen from the first
+layer); a
 policy that refines asks for more rounds after each full pass; a fallback margin adds one pass that
 recomputes every stale token. Each pass carries the segment shift where it recomputes spliced tokens
 (repair/shift.py).
@@ -56,8 +57,8 @@ class RepairRun:
         elif probe.attribution is not None:
             assert not probe.positions and not probe.resume and probe.last_layer == layers - 1
             self.recomputed = None
-            question = set(plan.question())
-            before = tuple(p for p in self._compute if p not in question)
+            attributed = set(probe.attribution.queries)
+            before = tuple(p for p in self._compute if p not in attributed)
             self.first = self._pass(before, range(layers)) if before else self._attributed(probe)
         else:
             assert set(probe.positions) <= spliced and 0 <= probe.last_layer < layers
@@ -110,9 +111,9 @@ class RepairRun:
         return rest if rest.layers else None
 
     def _attributed(self, probe: Probe) -> Pass:
-        """The question through every layer, scoring the KV it reads (kv/attribution.py)."""
+        """The question's last tokens through every layer, scoring the KV they read (kv/attribution.py)."""
         assert probe.attribution is not None
-        return Pass(self.task.plan.question(), range(self.task.num_layers), attribution=probe.attribution)
+        return Pass(probe.attribution.queries, range(self.task.num_layers), attribution=probe.attribution)
 
     def _refine(self, logits: torch.Tensor | None) -> Pass | None:
         """Another round of the policy's, after a pass through every layer."""
