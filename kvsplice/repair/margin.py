@@ -11,9 +11,9 @@ then the question and the chosen again from the first layer: about 3 points of a
 more than `lead`'s probe on SmolLM2's recall prompts, so its own budget is 12% (`default_ratio`).
 
 Measured on recall (8 documents, each against lead@15 in the same run; bench/results/recall_margin):
-on SmolLM2 margin@12, at no more FLOPs than lead@15, seed 16 (60 requests, held out) KL 0.038 -> 0.021
-(paired -0.017 [-0.026, -0.009]), within 0.05 72% -> 88%; seed 15 (40) 0.037 -> 0.015, 75% -> 98%;
-first-token agreement alike (78 to 83%). On Gemma 3 with its segment shift margin@15 was no closer
+on SmolLM2 margin@12, at no more FLOPs than lead@15, held out: seed 18 (100 requests) KL 0.056 -> 0.026
+(paired -0.031 [-0.054, -0.015]), within 0.05 73% -> 84%, first token 85% -> 90%; seed 16 (60) 0.038 ->
+0.021, 72% -> 88%; 12 documents, seed 17 (40) 0.047 -> 0.023, 68% -> 90%. On Gemma 3 with its segment shift margin@15 was no closer
 than lead@15 (seeds 14 and 15, 100 requests: +0.004 [-0.003, +0.013] and +0.000 [-0.005, +0.006]).
 It is the Llama family's default (repair/registry.py).
 """

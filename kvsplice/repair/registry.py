@@ -40,9 +40,10 @@ def budget_tokens(spliced: int, ratio: float, tokens: int | None) -> int:
 # The policy an engine repairs with where neither the request nor its config names one, by model family
 # (ModelConfig.architecture); lead elsewhere. Measured on the recall evaluation (8 documents, each policy
 # at its default budget against the other in the same run; bench/results/recall_margin): on SmolLM2
-# (Llama) margin@12 against lead@15, held out, seed 16 (60 requests) KL 0.038 -> 0.021 (paired -0.017
-# [-0.026, -0.009], lower on 51), within 0.05 72% -> 88%, first token 82% -> 83%, at 17.9% of a full
-# prefill's FLOPs against 18.6%; seed 15 (40) 0.037 -> 0.015, 75% -> 98%. On Gemma 3 margin@15 was no
+# (Llama) margin@12 against lead@15, held out, seed 18 (100 requests) KL 0.056 -> 0.026 (paired -0.031
+# [-0.054, -0.015], lower on 81), within 0.05 73% -> 84%, first token 85% -> 90%, accuracy 59% -> 57%
+# (full 62%), at 17.9% of a full prefill's FLOPs against 18.4%; seed 16 (60) 0.038 -> 0.021; 12
+# documents, seed 17 (40) 0.047 -> 0.023. On Gemma 3 margin@15 was no
 # closer than lead@15 (seeds 14 and 15, 100 requests) at more FLOPs, so lead stays there.
 FAMILY_REPAIR = {"LlamaForCausalLM": MarginRepair.name}
 
