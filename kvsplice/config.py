@@ -55,11 +55,14 @@ class EngineConfig:
         "requests queued beyond the running ones before new ones are refused", default=256
     )
     prefix_cache: str = _opt("prefix cache: hash (vLLM), radix (SGLang) or off", default="radix")
-    repair: str | None = _opt(
-        "repair policy for reused segments (default: the model family's, margin on Llama, lead elsewhere; "
-        "repair/registry.py)",
-        default=None,
-    )
+    # lead: lowest next-token KL at a 15% budget on the recall evaluation, on both models (Gemma 3,
+    # 90 requests: 0.106 against query's 0.139, first token 87% against 79%; 4 and 8 documents with
+    # its half-budget cap: 0.081 and 0.055 against 0.089 and 0.095; SmolLM2: 0.190 against 0.245),
+    # because the damage concentrates where the answer is in the first document
+    # (bench/results/recall_gemma_8docs_n90, recall_gemma_lead_share, recall_smollm2_8docs_lead).
+    # margin@12 halves lead@15's KL on SmolLM2's recall prompts at the same FLOPs but not its answers,
+    # and on its few-shot prompts flips more first tokens at more FLOPs (repair/margin.py).
+    repair: str = _opt("repair policy for reused segments", default="lead")
     recompute_ratio: float | None = _opt(
         "repair budget as a fraction of the reused segment tokens (default: the policy's own, 0.12 for "
         "margin, whose probe costs more, 0.15 for the others)",
@@ -192,7 +195,7 @@ class EngineConfig:
         _check(self.auto_segment_min_tokens >= 1, "auto_segment_min_tokens must be >= 1")
         _check(self.segment_kv in SEGMENT_KV, f"segment_kv must be one of {SEGMENT_KV}")
         _check(self.segment_contexts >= 1, "segment_contexts must be >= 1")
-        _check(self.repair is None or self.repair in POLICY_NAMES, f"repair must be one of {POLICY_NAMES}")
+        _check(self.repair in POLICY_NAMES, f"repair must be one of {POLICY_NAMES}")
         _check(self.store_disk_gb > 0, "store_disk_gb must be > 0")
         # Both raise ConfigError for a bad field.
         self.store_config()

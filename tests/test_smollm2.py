@@ -22,8 +22,6 @@ from safetensors import safe_open
 
 import kvsplice.loader.gguf as gguf_loader
 from kvsplice import SamplingParams
-from kvsplice.config import EngineConfig
-from kvsplice.engine.engine import Engine
 from kvsplice.errors import ModelLoadError
 from kvsplice.loader.gguf import convert_gguf, default_model_path
 from kvsplice.loader.gguf_file import read_gguf
@@ -32,7 +30,6 @@ from kvsplice.loader.model_files import resolve_model_dir, smollm2_gguf_path
 from kvsplice.loader.tokenizer import Tokenizer
 from kvsplice.model_config import ModelConfig
 from kvsplice.repair.query import probe_layers
-from kvsplice.repair.registry import default_repair
 from tests.test_gguf_loader import gpt2_byte_spelling
 
 PROMPTS = [
@@ -272,11 +269,3 @@ def test_the_question_probe_watches_a_layer_a_quarter_deep_on_both_models(
     assert probe_layers(ModelConfig.from_dir(model_dir)) == {8}
     assert probe_layers(ModelConfig.from_dir(default_model_dir)) == {5}
 
-
-def test_each_family_repairs_with_its_measured_default(llm, model_dir: Path, default_model_dir: Path):
-    """margin on Llama (SmolLM2), lead on Gemma 3 (repair/registry.py), unless the config names one."""
-    assert default_repair(ModelConfig.from_dir(model_dir)) == "margin"
-    assert default_repair(ModelConfig.from_dir(default_model_dir)) == "lead"
-    assert llm.engine.repair_policy == "margin"
-    named = Engine(EngineConfig(model="smollm2", prefix_cache="off", kv_cache_gb=0.05, repair="recency"))
-    assert named.repair_policy == "recency"

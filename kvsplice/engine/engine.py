@@ -38,7 +38,6 @@ from kvsplice.models.runner import DecodeItem, ModelRunner
 from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.prompt import Prompt, parse_prompt
-from kvsplice.repair.registry import default_repair
 from kvsplice.repair.shift import default_shift
 from kvsplice.reuse.discover import SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
@@ -74,8 +73,7 @@ class Engine:
             config.max_model_len or 2**62,
             self.pool.capacity_tokens,
         )
-        # The repair policy and segment shift where neither the request nor the config sets one.
-        self.repair_policy = config.repair if config.repair is not None else default_repair(self.model_config)
+        # The segment shift of repair where neither the request nor the config sets one.
         self.repair_shift = (
             config.repair_shift if config.repair_shift is not None else default_shift(self.model_config)
         )
@@ -175,7 +173,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         c = self.config
         settings = options.resolve(
-            self.repair_policy,
+            c.repair,
             c.recompute_ratio,
             c.recompute_tokens,
             c.repair_target,
