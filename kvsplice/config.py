@@ -180,9 +180,8 @@ class EngineConfig:
             "long_prefill_token_threshold must be >= 1",
         )
         _check(self.max_waiting >= 0, "max_waiting must be >= 0")
-        _check(
-            self.recompute_ratio is None or 0.0 <= self.recompute_ratio <= 1.0, "recompute_ratio must be in [0, 1]"
-        )
+        ratio = self.recompute_ratio
+        _check(ratio is None or 0.0 <= ratio <= 1.0, "recompute_ratio must be in [0, 1]")
         _check(self.recompute_tokens is None or self.recompute_tokens >= 0, "recompute_tokens must be >= 0")
         _check(0.0 <= self.repair_target < float("inf"), "repair_target must be >= 0")
         _check(self.repair_shift is None or 0.0 <= self.repair_shift <= 1.0, "repair_shift must be in [0, 1]")

@@ -147,7 +147,11 @@ def test_the_question_runs_attributed_and_again_the_other_computed_tokens_once()
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
     every = range(4)
     # Budget 2: one to the first segment's best (4), one to the best anywhere (8).
-    assert _passes(plan, 2) == [((5,), every, False), ((9, 10, 11), every, True), ((4, 8, 9, 10, 11), every, False)]
+    assert _passes(plan, 2) == [
+        ((5,), every, False),
+        ((9, 10, 11), every, True),
+        ((4, 8, 9, 10, 11), every, False),
+    ]
     # Nothing computed but the question: the attributed pass comes first.
     plan = make_plan(12, 2, [(2, 5, 0), (5, 9, 1)])
     assert _passes(plan, 2) == [((9, 10, 11), every, True), ((4, 8, 9, 10, 11), every, False)]

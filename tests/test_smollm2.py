@@ -268,4 +268,3 @@ def test_the_question_probe_watches_a_layer_a_quarter_deep_on_both_models(
     # SmolLM2: 30 layers, all global; Gemma 3: 18 layers, global at 5, 11 and 17 (its first global).
     assert probe_layers(ModelConfig.from_dir(model_dir)) == {8}
     assert probe_layers(ModelConfig.from_dir(default_model_dir)) == {5}
-

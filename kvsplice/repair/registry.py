@@ -34,4 +34,3 @@ def make_policy(name: str) -> RepairPolicy:
 def budget_tokens(spliced: int, ratio: float, tokens: int | None) -> int:
     """The repair budget for `spliced` reused tokens: an absolute count, or a rounded ratio."""
     return min(spliced, tokens if tokens is not None else round(ratio * spliced))
-
