@@ -61,7 +61,7 @@ class EngineConfig:
     # because the damage concentrates where the answer is in the first document
     # (bench/results/recall_gemma_8docs_n90, recall_gemma_lead_share, recall_smollm2_8docs_lead).
     # margin@12 halves lead@15's KL on SmolLM2's recall prompts at the same FLOPs but not its answers,
-    # and on its few-shot prompts flips more first tokens at more FLOPs (repair/margin.py).
+    # and on its few-shot prompts costs 38% of a full prefill's FLOPs against 27% (repair/margin.py).
     repair: str = _opt("repair policy for reused segments", default="lead")
     recompute_ratio: float | None = _opt(
         "repair budget as a fraction of the reused segment tokens (default: the policy's own, 0.12 for "
