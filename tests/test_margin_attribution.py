@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kvsplice.kv.attribution import MarginAttribution
-from kvsplice.kv.pool import KVPool
 from kvsplice.models.build import load_model
 from kvsplice.models.runner import ForwardChunk, ModelRunner
 from kvsplice.repair.base import Probe, RepairTask
@@ -32,12 +31,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def _prefilled(model) -> tuple[ModelRunner, list[int], list[int]]:
-    pool = KVPool(model.cfg, 1 << 22, 8, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(model, pool)
-    table = pool.allocator.allocate(LENGTH // 8)
-    ids = torch.randint(0, 320, (LENGTH,), generator=torch.Generator().manual_seed(5)).tolist()
-    runner.prefill(table, ids, list(range(LENGTH)))
-    return runner, table, ids
+    return tiny_models.prefilled_runner(model, LENGTH, seed=5)
 
 
 def _question(
@@ -126,7 +120,6 @@ def test_the_policy_chooses_the_first_segment_first_then_the_best_anywhere() -> 
 def _passes(plan, budget: int) -> list[tuple[tuple[int, ...], range, bool]]:
     """The margin run's passes on `plan` (positions, layers, attributed), its attribution scoring each
     position by its index."""
-
     run = RepairRun(MarginRepair(), RepairTask(plan, budget, num_layers=4))
     found = [run.first]
     while True:

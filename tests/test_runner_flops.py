@@ -15,7 +15,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from kvsplice.kv.attribution import MarginAttribution
-from kvsplice.kv.pool import KVPool
 from kvsplice.models.build import load_model
 from kvsplice.models.runner import ForwardChunk, ForwardResult, ModelRunner
 from tests import tiny_models
@@ -29,12 +28,7 @@ def prefilled(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelRunner, li
     directory = tmp_path_factory.mktemp("llama")
     tiny_models.save("LlamaForCausalLM", directory)
     model = load_model(directory, torch.float32, torch.device("cpu"))
-    pool = KVPool(model.cfg, 1 << 22, 8, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(model, pool)
-    table = pool.allocator.allocate(LENGTH // 8)
-    ids = torch.randint(0, 320, (LENGTH,), generator=torch.Generator().manual_seed(3)).tolist()
-    runner.prefill(table, ids, list(range(LENGTH)))
-    return runner, table, ids
+    return tiny_models.prefilled_runner(model, LENGTH, seed=3)
 
 
 def _counted(runner: ModelRunner, chunk: ForwardChunk) -> tuple[ForwardResult, int]:

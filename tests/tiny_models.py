@@ -7,6 +7,10 @@ from pathlib import Path
 import torch
 import transformers as tf
 
+from kvsplice.kv.pool import KVPool
+from kvsplice.models.layers import CausalLM
+from kvsplice.models.runner import ModelRunner
+
 COMMON = dict(
     vocab_size=320,
     hidden_size=64,
@@ -80,3 +84,14 @@ def save(arch: str, directory: Path, seed: int = 0) -> tf.PreTrainedModel:
     model = build(arch, seed)
     model.save_pretrained(directory)
     return model
+
+
+def prefilled_runner(model: CausalLM, length: int, seed: int) -> tuple[ModelRunner, list[int], list[int]]:
+    """A runner over a fresh pool holding a full prefill of `length` random tokens (drawn with `seed`):
+    the runner, the sequence's block table and its token ids."""
+    pool = KVPool(model.cfg, 1 << 22, 8, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, pool)
+    table = pool.allocator.allocate(-(-length // 8))
+    ids = torch.randint(0, COMMON["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed))
+    runner.prefill(table, ids.tolist(), list(range(length)))
+    return runner, table, ids.tolist()

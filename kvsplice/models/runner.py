@@ -106,9 +106,9 @@ class ModelRunner:
             h = self.model.embed(ids[None])  # [1, T, hidden]
         else:
             h = chunk.hidden[None]
-        dense = attention = 0.0
+        dense = len(layers) * self._dense_flops(ctx.positions)
+        attention = 0.0
         for i in layers:
-            dense += self._dense_flops(ctx.positions)
             attention += self._attention_flops(ctx.positions, i)
             h = self.model.layers[i](h, ctx)
         if layers.stop < self.num_layers:

@@ -3,9 +3,8 @@
 A policy decides at once (one pass through every layer) or after a probe (the probe's layers, then the
 chosen tokens' rest; a probe with a margin attribution is the computed tokens but the question's last
 through every layer, the attributed pass of those, then the question and the chosen from the first
-layer); a
-policy that refines asks for more rounds after each full pass; a fallback margin adds one pass that
-recomputes every stale token. Each pass carries the segment shift where it recomputes spliced tokens
+layer); a policy that refines asks for more rounds after each full pass; a fallback margin adds one
+pass that recomputes every stale token. Each pass carries the segment shift where it recomputes spliced tokens
 (repair/shift.py).
 """
 
