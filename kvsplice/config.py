@@ -63,10 +63,10 @@ class EngineConfig:
     # margin@12 halves lead@15's KL on SmolLM2's recall prompts at the same FLOPs but not its answers,
     # and on its few-shot prompts costs 38% of a full prefill's FLOPs against 27% (repair/margin.py).
     repair: str = _opt("repair policy for reused segments", default="lead")
-    recompute_ratio: float | None = _opt(
-        "repair budget as a fraction of the reused segment tokens (default: the policy's own, 0.12 for "
-        "margin, whose probe costs more, 0.15 for the others)",
-        default=None,
+    recompute_ratio: float = _opt(
+        "repair budget as a fraction of the reused segment tokens; margin pays its probe's extra cost out "
+        "of it, so every policy costs about what lead does at the same ratio",
+        default=0.15,
     )
     recompute_tokens: int | None = _opt("repair budget in tokens (overrides the ratio)", default=None)
     repair_target: float = _opt(
@@ -180,8 +180,7 @@ class EngineConfig:
             "long_prefill_token_threshold must be >= 1",
         )
         _check(self.max_waiting >= 0, "max_waiting must be >= 0")
-        ratio = self.recompute_ratio
-        _check(ratio is None or 0.0 <= ratio <= 1.0, "recompute_ratio must be in [0, 1]")
+        _check(0.0 <= self.recompute_ratio <= 1.0, "recompute_ratio must be in [0, 1]")
         _check(self.recompute_tokens is None or self.recompute_tokens >= 0, "recompute_tokens must be >= 0")
         _check(0.0 <= self.repair_target < float("inf"), "repair_target must be >= 0")
         _check(self.repair_shift is None or 0.0 <= self.repair_shift <= 1.0, "repair_shift must be in [0, 1]")

@@ -11,7 +11,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from kvsplice.errors import InvalidRequestError
-from kvsplice.repair.registry import POLICIES, POLICY_NAMES
+from kvsplice.repair.registry import POLICY_NAMES
 
 
 @dataclass(frozen=True)
@@ -70,21 +70,16 @@ class RequestOptions:
     def resolve(
         self,
         repair: str,
-        recompute_ratio: float | None,
+        recompute_ratio: float,
         recompute_tokens: int | None,
         repair_target: float,
         repair_shift: float,
         repair_fallback_margin: float,
     ) -> RepairSettings:
-        """The settings with the engine's defaults (EngineConfig's fields of the same names) filled in;
-        a ratio neither sets is the policy's own (RepairPolicy.default_ratio)."""
-        policy = self.repair if self.repair is not None else repair
-        ratio = self.recompute_ratio if self.recompute_ratio is not None else recompute_ratio
-        if ratio is None:
-            ratio = POLICIES[policy].default_ratio
+        """The settings with the engine's defaults (EngineConfig's fields of the same names) filled in."""
         return RepairSettings(
-            policy,
-            float(ratio),
+            self.repair if self.repair is not None else repair,
+            float(self.recompute_ratio if self.recompute_ratio is not None else recompute_ratio),
             self.recompute_tokens if self.recompute_tokens is not None else recompute_tokens,
             float(self.repair_target if self.repair_target is not None else repair_target),
             float(self.repair_shift if self.repair_shift is not None else repair_shift),

@@ -12,6 +12,7 @@ from kvsplice.repair.base import RepairTask
 from kvsplice.repair.policies import DeviationObserver
 from kvsplice.repair.registry import budget_tokens, make_policy
 from kvsplice.reuse.plan import SpanKind, make_plan
+from tests import tiny_models
 
 
 @st.composite
@@ -116,11 +117,7 @@ def test_budget(spliced: int, ratio: float, tokens: int | None, expected: int) -
 
 def _tiny_llama() -> ModelConfig:
     """A model without sliding windows, for the policies that read its layer types."""
-    from tests.tiny_models import COMMON
-
-    return ModelConfig.from_dict(
-        {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
-    )
+    return tiny_models.llama_config()
 
 
 def test_query_probes_the_question_and_recomputes_what_it_attends_to() -> None:
@@ -388,18 +385,3 @@ def test_no_policy_recomputes_tokens_spliced_from_lead_kv(name: str, budget: int
     assert chosen, f"{name} recomputes something within a budget of {budget}"
     assert set(chosen) <= {7, 8, 9}
     assert len(chosen) <= budget or not policy.budgeted
-
-
-def test_a_budget_neither_the_request_nor_the_engine_sets_is_the_policys_own() -> None:
-    """margin's probe costs more, so its own budget is smaller; a ratio set anywhere wins."""
-    from kvsplice.options import RequestOptions
-
-    def ratio(options: RequestOptions, engine_policy: str, engine_ratio: float | None) -> float:
-        return options.resolve(engine_policy, engine_ratio, None, 0.05, 0.0, 0.0).ratio
-
-    assert ratio(RequestOptions(), "margin", None) == 0.12
-    assert ratio(RequestOptions(), "lead", None) == 0.15
-    assert ratio(RequestOptions(repair="lead"), "margin", None) == 0.15
-    assert ratio(RequestOptions(repair="margin"), "lead", None) == 0.12
-    assert ratio(RequestOptions(recompute_ratio=0.3), "margin", 0.2) == 0.3
-    assert ratio(RequestOptions(), "margin", 0.2) == 0.2

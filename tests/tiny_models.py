@@ -8,6 +8,7 @@ import torch
 import transformers as tf
 
 from kvsplice.kv.pool import KVPool
+from kvsplice.model_config import ModelConfig
 from kvsplice.models.layers import CausalLM
 from kvsplice.models.runner import ModelRunner
 
@@ -95,3 +96,10 @@ def prefilled_runner(model: CausalLM, length: int, seed: int) -> tuple[ModelRunn
     ids = torch.randint(0, COMMON["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed))
     runner.prefill(table, ids.tolist(), list(range(length)))
     return runner, table, ids.tolist()
+
+
+def llama_config() -> ModelConfig:
+    """The tiny Llama's configuration (no sliding window), for policies that read the model's layers."""
+    return ModelConfig.from_dict(
+        {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+    )

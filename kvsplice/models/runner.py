@@ -20,6 +20,7 @@ from kvsplice.kv.attention import NO_KEY
 from kvsplice.kv.attribution import MarginAttribution
 from kvsplice.kv.context import ForwardContext, LayerObserver
 from kvsplice.kv.pool import KVPool
+from kvsplice.models.flops import FlopModel
 from kvsplice.models.layers import CausalLM
 from kvsplice.repair.shift import SegmentShift
 
@@ -68,9 +69,10 @@ class ModelRunner:
         self.cfg = model.cfg
         self.pool = pool
         self.device = pool.device
-        # Multiply-adds of one token through one layer's projections and MLP, for FLOP accounting.
-        first = model.layers[0]
-        self._layer_macs = sum(p.numel() for name, p in first.named_parameters() if p.dim() == 2)
+        self.flops = FlopModel(self.cfg)
+        # The formula's projections are the model's: every matrix of a layer, counted once.
+        macs = sum(p.numel() for p in model.layers[0].parameters() if p.dim() == 2)
+        assert self.flops.layer_macs == macs, f"FLOP model: {self.flops.layer_macs} MACs, layer: {macs}"
         self.freqs = {
             kind: rope.inv_freq(spec, self.cfg.head_dim).to(self.device)
             for kind, spec in self.cfg.rope.items()
@@ -106,25 +108,21 @@ class ModelRunner:
             h = self.model.embed(ids[None])  # [1, T, hidden]
         else:
             h = chunk.hidden[None]
-        dense = len(layers) * self._dense_flops(ctx.positions)
+        dense = len(layers) * self.flops.dense(len(chunk.positions))
         attention = 0.0
         for i in layers:
-            attention += self._attention_flops(ctx.positions, i)
+            attention += self.flops.attention(ctx.positions, i)
             h = self.model.layers[i](h, ctx)
         if layers.stop < self.num_layers:
             return ForwardResult(None, h[0], dense + attention)
         if not chunk.need_logits:
             return ForwardResult(None, None, dense + attention)
         logits = self.model.logits(h[:, -1])[0]
-        dense += self._head_flops(1)
+        dense += self.flops.head(1)
         if chunk.attribution is None:
             return ForwardResult(logits.detach(), None, dense + attention)
         chunk.attribution.finish(logits)
-        # The backward takes input gradients only, no weight's: one more product per projection, two more
-        # per attention product (scores and mixing each pass a gradient to both operands). Measured by
-        # torch's FlopCounterMode (math attention) on a question of 40 tokens over 2048: 2.39x the
-        # forward on SmolLM2, 2.21x on Gemma 3, as this counts but for the first layer's input gradients,
-        # which autograd skips (tests/test_runner_flops.py).
+        # The backward, as FlopModel.attributed counts it (the head's once more with the projections).
         return ForwardResult(logits.detach(), None, 2 * dense + 3 * attention)
 
     def prefill(
@@ -146,9 +144,9 @@ class ModelRunner:
         h = self.model.embed(ids)  # [B, 1, hidden]
         flops = 0.0
         for i, layer in enumerate(self.model.layers):
-            flops += self._dense_flops(ctx.positions) + self._attention_flops(ctx.positions, i)
+            flops += self.flops.dense(len(items)) + self.flops.attention(ctx.positions, i)
             h = layer(h, ctx)
-        return ForwardResult(self.model.logits(h[:, -1]), None, flops + self._head_flops(len(items)))
+        return ForwardResult(self.model.logits(h[:, -1]), None, flops + self.flops.head(len(items)))
 
     def _context(
         self,
@@ -197,16 +195,3 @@ class ModelRunner:
             sequence_slots,
             attribution,
         )
-
-    def _dense_flops(self, positions: torch.Tensor) -> float:
-        """One layer's projections and MLP for the queries at `positions`."""
-        return 2.0 * positions.numel() * self._layer_macs
-
-    def _attention_flops(self, positions: torch.Tensor, layer: int) -> float:
-        """One layer's attention scores and mixing over the keys each query sees."""
-        window = self.cfg.window(layer)
-        visible = positions + 1 if window is None else (positions + 1).clamp(max=window)
-        return 4.0 * self.cfg.num_heads * self.cfg.head_dim * float(visible.sum())
-
-    def _head_flops(self, rows: int) -> float:
-        return 2.0 * rows * self.cfg.hidden_size * self.cfg.vocab_size

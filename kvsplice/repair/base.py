@@ -85,8 +85,6 @@ class RepairPolicy(ABC):
     # Whether the request's budget (ratio or tokens) bounds the policy; else it may recompute every
     # reused token and stops by its quality target.
     budgeted: ClassVar[bool] = True
-    # The budget, as a fraction of the reused tokens, where neither the request nor the engine sets one.
-    default_ratio: ClassVar[float] = 0.15
 
     @abstractmethod
     def decide(self, task: RepairTask) -> RepairDecision:

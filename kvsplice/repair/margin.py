@@ -7,52 +7,93 @@ gradients and each reused token is scored by the first-order effect of its KV on
 likely next token over the runner-up (kv/attribution.py). The choice is `lead`'s (the first segment's
 best up to half the budget, then the best anywhere) by that score. The probe runs the computed tokens
 but the question's last ones through every layer over the moved, unrepaired KV, then those with
-gradients (the backward about 1.4x their forward), then the question and the chosen again from the
-first layer: about 3 points of a full prefill's FLOPs more than `lead`'s probe on SmolLM2's recall
-prompts, so its own budget is 12% (`default_ratio`).
+gradients, then the question and the chosen again from the first layer.
+
+It pays for that out of its budget: the probe's FLOPs beyond `lead`'s, in reused tokens' worth, are
+taken off the tokens it recomputes (`probe_cost`), so at a ratio it costs what `lead` does at the same
+ratio. Where that would leave less than `LEAD_BELOW` of the budget (a long question over few reused
+tokens: few-shot prompts) it probes and chooses as `lead` does.
 
 Measured on recall (8 documents, each against lead@15 in the same run; bench/results/recall_margin):
-on SmolLM2 margin@12, at no more FLOPs than lead@15, held out: seed 18 (100 requests) KL 0.056 ->
-0.026 (paired -0.031 [-0.054, -0.015]), within 0.05 73% -> 84%, first token 85% -> 90%; seed 16 (60)
-0.038 -> 0.021, 72% -> 88%; 12 documents, seed 17 (40) 0.047 -> 0.023, 68% -> 90%. On Gemma 3 with
-its segment shift margin@15 was no closer than lead@15 (seeds 14 and 15, 100 requests: +0.004
-[-0.003, +0.013] and +0.000 [-0.005, +0.006]); margin@12 on the fair frontier (30 requests) KL 0.020
-against lead@15's 0.016. Not a default: its answers are no better than lead's (accuracy 57% against
-59% on seed 18, full 62%), and on SmolLM2's few-shot prompts, whose question is long, it costs 38% of
-the FLOPs against lead@15's 27% (first token 61 of 70 against 65, accuracy 50 against 51, two seeds).
+on SmolLM2 margin@12 (then a ratio of its own, 12%, set to cost what lead@15 does), held out: seed 18
+(100 requests) KL 0.056 -> 0.026 (paired -0.031 [-0.054, -0.015]), within 0.05 73% -> 84%, first token
+85% -> 90%; seed 16 (60) 0.038 -> 0.021, 72% -> 88%; 12 documents, seed 17 (40) 0.047 -> 0.023, 68% ->
+90%. On Gemma 3 with its segment shift margin@15 was no closer than lead@15 (seeds 14 and 15, 100
+requests: +0.004 [-0.003, +0.013] and +0.000 [-0.005, +0.006]); margin@12 on the fair frontier (30
+requests) KL 0.020 against lead@15's 0.016. Its answers were no better than lead's (accuracy 57%
+against 59% on seed 18, full 62%), and on SmolLM2's few-shot prompts, before it paid for its probe, it
+cost 38% of the FLOPs against lead@15's 27% (first token 61 of 70 against 65, accuracy 50 against 51).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvsplice.kv.attribution import MarginAttribution
+from kvsplice.models.flops import FlopModel
 from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask, probe_unless_settled
-from kvsplice.repair.query import lead_choice
+from kvsplice.repair.query import QueryAttentionObserver, lead_choice, probe_layers, question_probe
 
 # The attributed pass runs the question's last this many tokens (the rest of it runs forward in the
 # probe, its KV read like the reused tokens'): the backward costs about 1.4x the forward of what it runs,
 # and a few-shot prompt's question (a new text to label) is long. On the recall prompts the question is
 # shorter, all of it attributed.
 ATTRIBUTED_TOKENS = 32
+# Where paying for the probe leaves less than this share of the budget, `lead`'s ranking at the whole
+# budget is taken instead. Not tuned: on the recall prompts the probe costs about a sixth of the
+# budget, on SmolLM2's few-shot prompts (a question of some 60 tokens over 700 reused) all of it.
+LEAD_BELOW = 0.5
 
 
 class MarginRepair(RepairPolicy):
     """Recompute the reused tokens whose KV moves the first token's margin most, the first segment first."""
 
     name = "margin"
-    # Its probe costs about 3 points of a full prefill's FLOPs more than `lead`'s on the recall prompts,
-    # so at 12% it costs what `lead` does at 15% (about 20%).
-    default_ratio = 0.12
+
+    def __init__(self) -> None:
+        # How many tokens the chosen may be once the probe is paid for (the whole budget under lead's probe).
+        self._budget = 0
 
     def decide(self, task: RepairTask) -> RepairDecision:
         def probe(stale: tuple[int, ...]) -> Probe:
+            assert task.model is not None, "the margin policy prices its probe by the model's layers"
             queries = task.plan.question()[-ATTRIBUTED_TOKENS:]
+            self._budget = task.budget - probe_cost(task, queries, stale)
+            if self._budget < LEAD_BELOW * task.budget:
+                self._budget = task.budget
+                return question_probe(task, max(probe_layers(task.model)))
             attribution = MarginAttribution(task.plan.num_tokens, queries)
             return Probe((), task.num_layers - 1, None, resume=False, attribution=attribution)
 
         return probe_unless_settled(task, probe)
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
-        assert probe.attribution is not None and probe.attribution.done
-        return lead_choice(task.plan, probe.attribution.score, task.budget)
+        if probe.attribution is None:
+            assert isinstance(probe.observer, QueryAttentionObserver)
+            return lead_choice(task.plan, probe.observer.score, self._budget)
+        assert probe.attribution.done
+        return lead_choice(task.plan, probe.attribution.score, self._budget)
+
+
+def probe_cost(task: RepairTask, queries: tuple[int, ...], stale: tuple[int, ...]) -> int:
+    """How many of the `stale` tokens' worth of FLOPs (each through every layer, on average) the margin
+    probe with these attributed `queries` costs beyond `lead`'s probe (repair/query.py), rounded up.
+
+    Both recompute the chosen and run the computed tokens outside the question once through every
+    layer. `lead` runs the question through its probe's layers twice and the rest once; margin runs the
+    question's earlier tokens through every layer twice, and its attributed ones attributed (forward and
+    backward, models/flops.py) and then again. The LM head's few rows are left out."""
+    assert task.model is not None and stale
+    flops = FlopModel(task.model)
+    every = range(task.num_layers)
+    beyond = range(max(probe_layers(task.model)) + 1, task.num_layers)
+    attributed = set(queries)
+    earlier = [p for p in task.plan.question() if p not in attributed]
+    extra = (
+        flops.forward(earlier, beyond)
+        + flops.attributed(queries, every)
+        - flops.forward(queries, range(beyond.start))
+    )
+    return math.ceil(extra / (flops.forward(stale, every) / len(stale)))
