@@ -60,8 +60,8 @@ class EngineConfig:
     # its half-budget cap: 0.081 and 0.055 against 0.089 and 0.095; SmolLM2: 0.190 against 0.245),
     # because the damage concentrates where the answer is in the first document
     # (bench/results/recall_gemma_8docs_n90, recall_gemma_lead_share, recall_smollm2_8docs_lead).
-    # margin@12 halves lead@15's KL on SmolLM2's recall prompts at the same FLOPs but not its answers,
-    # and on its few-shot prompts costs 38% of a full prefill's FLOPs against 27% (repair/margin.py).
+    # margin, at the same FLOPs, halves lead's KL on SmolLM2's recall prompts, but answered fewer of
+    # them (360 held-out requests: -1.7 points [-4.2, +0.6]) with a TTFT 18% longer (repair/margin.py).
     repair: str = _opt("repair policy for reused segments", default="lead")
     recompute_ratio: float = _opt(
         "repair budget as a fraction of the reused segment tokens; margin pays its probe's extra cost out "

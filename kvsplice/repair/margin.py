@@ -14,15 +14,20 @@ taken off the tokens it recomputes (`probe_cost`), so at a ratio it costs what `
 ratio. Where that would leave less than `LEAD_BELOW` of the budget (a long question over few reused
 tokens: few-shot prompts) it probes and chooses as `lead` does.
 
-Measured on recall (8 documents, each against lead@15 in the same run; bench/results/recall_margin):
-on SmolLM2 margin@12 (then a ratio of its own, 12%, set to cost what lead@15 does), held out: seed 18
-(100 requests) KL 0.056 -> 0.026 (paired -0.031 [-0.054, -0.015]), within 0.05 73% -> 84%, first token
-85% -> 90%; seed 16 (60) 0.038 -> 0.021, 72% -> 88%; 12 documents, seed 17 (40) 0.047 -> 0.023, 68% ->
-90%. On Gemma 3 with its segment shift margin@15 was no closer than lead@15 (seeds 14 and 15, 100
-requests: +0.004 [-0.003, +0.013] and +0.000 [-0.005, +0.006]); margin@12 on the fair frontier (30
-requests) KL 0.020 against lead@15's 0.016. Its answers were no better than lead's (accuracy 57%
-against 59% on seed 18, full 62%), and on SmolLM2's few-shot prompts, before it paid for its probe, it
-cost 38% of the FLOPs against lead@15's 27% (first token 61 of 70 against 65, accuracy 50 against 51).
+Measured on recall, held out, against lead@15 in the same run (bench/results/recall_margin). On
+SmolLM2, 8 documents, seed 19, 100 requests, paying for its probe: margin@15 at 17.5% of a full
+prefill's FLOPs against 18.1%, KL 0.050 -> 0.031 (paired -0.020 [-0.033, -0.005]), within 0.05 71% ->
+87%, first token 80% -> 85%, accuracy 49% -> 46% (full 45%). Pooled with three earlier runs of
+margin@12 (its own ratio then, at the same FLOPs; 8 and 12 documents), 300 requests: KL 0.050 ->
+0.026, within 0.05 71% -> 87%, first token 83% -> 87%, answers as right or wrong as the full
+prefill's on 281 against 279, accuracy -1.3 points [-4.0, +1.3] against lead's; TTFT p50 about 18%
+longer (autograd's backward on the CPU). At 12 documents, seed 22, 60 requests: 18.7% against 19.6%,
+KL 0.044 -> 0.032, within 0.05 77% -> 90%, first token 83% -> 92%, accuracy 42% -> 38% (full 43%);
+pooled with it, 360 requests, accuracy -1.7 points [-4.2, +0.6] against lead's (-2.2 [-4.7, +0.3]
+against the full prefill's, lead's -0.6 [-3.3, +2.2]). Closer in distribution and in first tokens,
+fewer answers right, TTFT longer: not the default. On Gemma 3
+with its segment shift margin@15 was no closer than lead@15 (seeds 14 and 15, 100 requests: +0.004
+[-0.003, +0.013] and +0.000 [-0.005, +0.006]).
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ from kvsplice.repair.query import QueryAttentionObserver, lead_choice, probe_lay
 # shorter, all of it attributed.
 ATTRIBUTED_TOKENS = 32
 # Where paying for the probe leaves less than this share of the budget, `lead`'s ranking at the whole
-# budget is taken instead. Not tuned: on the recall prompts the probe costs about a sixth of the
-# budget, on SmolLM2's few-shot prompts (a question of some 60 tokens over 700 reused) all of it.
+# budget is taken instead. Not tuned: on SmolLM2's recall prompts (a question of some 25 tokens over
+# 2,400 reused) the probe costs a fifth of the budget, on its few-shot prompts (some 85 computed
+# tokens, most of them the question, over 620 reused) more than half.
 LEAD_BELOW = 0.5
 
 
