@@ -7,7 +7,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsplice.model_config import ModelConfig
 from kvsplice.repair.base import RepairTask
 from kvsplice.repair.policies import DeviationObserver
 from kvsplice.repair.registry import budget_tokens, make_policy
@@ -115,15 +114,10 @@ def test_budget(spliced: int, ratio: float, tokens: int | None, expected: int) -
     assert budget_tokens(spliced, ratio, tokens) == expected
 
 
-def _tiny_llama() -> ModelConfig:
-    """A model without sliding windows, for the policies that read its layer types."""
-    return tiny_models.llama_config()
-
-
 def test_query_probes_the_question_and_recomputes_what_it_attends_to() -> None:
     from kvsplice.repair.query import QueryAttentionObserver, probe_layers
 
-    cfg = _tiny_llama()
+    cfg = tiny_models.llama_config()
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
     task = RepairTask(plan, 2, num_layers=4, model=cfg)
     policy = make_policy("query")
@@ -150,7 +144,9 @@ def test_after_a_question_probe_only_the_question_runs_the_probe_layers_again() 
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
 
     def passes(score: list[float]) -> list[tuple[tuple[int, ...], range]]:
-        run = RepairRun(make_policy("query"), RepairTask(plan, 2, num_layers=4, model=_tiny_llama()))
+        run = RepairRun(
+            make_policy("query"), RepairTask(plan, 2, num_layers=4, model=tiny_models.llama_config())
+        )
         run.first.observer.score = torch.tensor(score)  # type: ignore[union-attr]
         found = [run.first]
         while (following := run.next_pass(None)) is not None:
@@ -184,7 +180,7 @@ def test_a_new_document_after_the_last_reused_one_is_not_the_question() -> None:
     assert make_plan(12, 2, [(2, 5, 0)]).question() == tuple(range(5, 12))
     # A prompt that ends with its last marked segment: the question is at least the last token.
     assert make_plan(12, 2, [(2, 5, 0)], question_from=12).question() == (11,)
-    run = RepairRun(make_policy("query"), RepairTask(plan, 1, num_layers=4, model=_tiny_llama()))
+    run = RepairRun(make_policy("query"), RepairTask(plan, 1, num_layers=4, model=tiny_models.llama_config()))
     assert run.first.observer._watched.nonzero().squeeze(1).tolist() == [9, 10, 11]  # type: ignore[union-attr]
     run.first.observer.score = torch.tensor([9.0, 9, 0.1, 3, 0.2, 9, 9, 9, 9, 9, 9, 9])  # type: ignore[union-attr]
     runs = [(run.first.positions, run.first.layers)]
@@ -200,7 +196,7 @@ def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_ba
     from kvsplice.repair.query import QueryAttentionObserver
     from kvsplice.sampling import kl_divergence
 
-    cfg = _tiny_llama()
+    cfg = tiny_models.llama_config()
     # 100 spliced tokens (positions 1..100) and a question (101..103); ranked by position, descending.
     plan = make_plan(104, 1, [(1, 101, 0)])
 
@@ -250,7 +246,7 @@ def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_ba
 
 
 def test_lead_recomputes_the_first_reused_segment_first_then_by_the_question() -> None:
-    cfg = _tiny_llama()
+    cfg = tiny_models.llama_config()
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
     policy = make_policy("lead")
     # The question attends most to 8 and 7; the lead segment (2..4) goes first whatever it scores, up
@@ -313,7 +309,7 @@ def test_each_adaptive_round_recomputes_leads_choice_at_its_budget_afresh() -> N
     plan = make_plan(104, 1, [(1, 51, 0), (51, 101, 1)])
     first, second = torch.linspace(1, 2, 50), torch.linspace(10, 20, 50) ** 8
     score = torch.cat([torch.zeros(1), first, second, torch.zeros(3)])
-    task = RepairTask(plan, 100, num_layers=4, model=_tiny_llama(), target=0.01)
+    task = RepairTask(plan, 100, num_layers=4, model=tiny_models.llama_config(), target=0.01)
     policy = AdaptiveRepair()
     probe = policy.decide(task).probe
     assert probe is not None
@@ -340,7 +336,9 @@ def test_repair_passes_carry_the_segment_shift_of_the_approximate_segments() -> 
     assert shift.fresh == {layer: frozenset() for layer in range(4)}
     assert RepairRun(make_policy("recency"), RepairTask(plan, 2, num_layers=4)).first.shift is None
     # A pass that recomputes no spliced token shifts nothing (the question probe's first pass).
-    probe = RepairRun(make_policy("query"), RepairTask(plan, 2, num_layers=4, model=_tiny_llama(), shift=0.5))
+    probe = RepairRun(
+        make_policy("query"), RepairTask(plan, 2, num_layers=4, model=tiny_models.llama_config(), shift=0.5)
+    )
     assert probe.first.shift is None
 
 
@@ -352,7 +350,7 @@ def test_each_adaptive_round_leaves_alone_what_earlier_rounds_recomputed() -> No
     score = torch.cat(
         [torch.zeros(1), torch.linspace(1, 2, 50), torch.linspace(10, 20, 50) ** 8, torch.zeros(3)]
     )
-    task = RepairTask(plan, 100, num_layers=4, model=_tiny_llama(), target=0.01, shift=1.0)
+    task = RepairTask(plan, 100, num_layers=4, model=tiny_models.llama_config(), target=0.01, shift=1.0)
     run = RepairRun(make_policy("adaptive"), task)
     assert run.first.shift is None  # the probe: the question alone
     run.first.observer.score = score  # type: ignore[union-attr]
@@ -374,7 +372,7 @@ def test_no_policy_recomputes_tokens_spliced_from_lead_kv(name: str, budget: int
     plan = make_plan(12, 0, [(2, 7, 0), (7, 10, 1)], lead_kv=frozenset({0}))
     assert plan.stale() == [7, 8, 9]
     policy = make_policy(name)
-    task = RepairTask(plan, budget, num_layers=4, model=_tiny_llama(), target=0.01)
+    task = RepairTask(plan, budget, num_layers=4, model=tiny_models.llama_config(), target=0.01)
     decision = policy.decide(task)
     chosen = decision.recompute
     if decision.probe is not None:

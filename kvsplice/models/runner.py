@@ -20,7 +20,7 @@ from kvsplice.kv.attention import NO_KEY
 from kvsplice.kv.attribution import MarginAttribution
 from kvsplice.kv.context import ForwardContext, LayerObserver
 from kvsplice.kv.pool import KVPool
-from kvsplice.models.flops import FlopModel
+from kvsplice.models.flops import FlopModel, with_backward
 from kvsplice.models.layers import CausalLM
 from kvsplice.repair.shift import SegmentShift
 
@@ -122,8 +122,7 @@ class ModelRunner:
         if chunk.attribution is None:
             return ForwardResult(logits.detach(), None, dense + attention)
         chunk.attribution.finish(logits)
-        # The backward, as FlopModel.attributed counts it (the head's once more with the projections).
-        return ForwardResult(logits.detach(), None, 2 * dense + 3 * attention)
+        return ForwardResult(logits.detach(), None, with_backward(dense, attention))
 
     def prefill(
         self, block_table: Sequence[int], token_ids: Sequence[int], positions: Sequence[int]
