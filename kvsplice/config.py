@@ -15,7 +15,6 @@ from kvsplice.cache.registry import PREFIX_CACHE_NAMES
 from kvsplice.errors import ConfigError
 from kvsplice.repair.registry import POLICY_NAMES
 from kvsplice.store.config import StoreConfig
-from kvsplice.store.fingerprint import SEGMENT_KV
 from kvsplice.store.publisher import KVEventsConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,12 +90,6 @@ class EngineConfig:
         "(default: 1024, or the model's sliding window + 64 where that is more; at most half the model's "
         "positions)",
         default=None,
-    )
-    segment_kv: str = _opt(
-        "how a new segment's stored KV is made: 'prompt' (copied from the request that first carried it, "
-        "so no token is computed twice) or 'canonical' (computed again on its own after the canonical "
-        "context, as background work)",
-        default="prompt",
     )
     # 4, by measurement on recall (8 documents, lead@15, 30 requests): KL to the full prefill 0.062 ->
     # 0.035 on Gemma 3, 0.169 -> 0.115 on SmolLM2, for background work of about 3x each new segment's
@@ -191,7 +184,6 @@ class EngineConfig:
         )
         _check(self.prefix_cache in PREFIX_CACHE_NAMES, f"prefix_cache must be one of {PREFIX_CACHE_NAMES}")
         _check(self.auto_segment_min_tokens >= 1, "auto_segment_min_tokens must be >= 1")
-        _check(self.segment_kv in SEGMENT_KV, f"segment_kv must be one of {SEGMENT_KV}")
         _check(self.segment_contexts >= 1, "segment_contexts must be >= 1")
         _check(self.repair in POLICY_NAMES, f"repair must be one of {POLICY_NAMES}")
         _check(self.store_disk_gb > 0, "store_disk_gb must be > 0")

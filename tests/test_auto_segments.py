@@ -153,7 +153,7 @@ def test_plain_prompts_reuse_the_passages_like_marked_segments(auto: LLM, llm: L
     got: dict[str, dict[str, torch.Tensor | int | list[int]]] = {}
     for salt, prompt in (("plain", _plain), ("marked", _marked)):
         auto.generate([prompt([0, 1, 2])], PARAMS, RequestOptions(cache_salt=salt))
-        for repair in ("recency", "full"):
+        for repair in ("boundary", "full"):
             out = auto.generate([prompt([2, 0, 1])], PARAMS, RequestOptions(repair, cache_salt=salt))[0]
             m = out.metrics
             reused = m.prefix_hit_tokens + m.segment_hit_tokens + m.discovered_hit_tokens
@@ -164,8 +164,8 @@ def test_plain_prompts_reuse_the_passages_like_marked_segments(auto: LLM, llm: L
                 "marked": m.segment_hit_tokens,
                 "ids": out.token_ids,
             }
-    assert got["marked recency"]["found"] == 0
-    plain, marked = got["plain recency"], got["marked recency"]
+    assert got["marked boundary"]["found"] == 0
+    plain, marked = got["plain boundary"], got["marked boundary"]
     # Unmarked, the second request already reuses nearly what markup gives (~120 tokens a passage), but
     # for the first tokens of each of the three found passages and the prompt's last tokens, computed.
     assert auto.engine.reuse.finder is not None

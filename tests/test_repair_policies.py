@@ -61,7 +61,7 @@ def test_plan_prints_its_spans() -> None:
     assert str(plan) == "exact[0:4) spliced[4:8) compute[8:10) spliced[10:19) compute[19:20)"
 
 
-@given(prompts(), st.floats(0, 1), st.sampled_from(["none", "boundary", "deviation", "recency", "full"]))
+@given(prompts(), st.floats(0, 1), st.sampled_from(["none", "boundary", "deviation", "full"]))
 def test_policies_choose_spliced_positions_within_budget(case, ratio, name) -> None:
     n, prefix, segments = case
     plan = make_plan(n, prefix, segments)
@@ -90,13 +90,6 @@ def test_boundary_takes_the_first_tokens_of_each_segment() -> None:
     assert decision.recompute == (1, 2, 3, 11, 12)
 
 
-def test_recency_takes_the_reused_tokens_nearest_the_end() -> None:
-    plan = make_plan(30, 0, [(1, 11, 0), (12, 20, 1)])
-    recency = make_policy("recency")
-    assert recency.decide(RepairTask(plan, 10, num_layers=4)).recompute == (9, 10, *range(12, 20))
-    assert recency.decide(RepairTask(plan, 0, num_layers=4)).recompute == ()
-
-
 def test_deviation_keeps_the_most_deviating_tokens() -> None:
     policy = make_policy("deviation")
     task = RepairTask(make_plan(8, 0, [(1, 5, 0)]), 2, num_layers=4)
@@ -114,13 +107,13 @@ def test_budget(spliced: int, ratio: float, tokens: int | None, expected: int) -
     assert budget_tokens(spliced, ratio, tokens) == expected
 
 
-def test_query_probes_the_question_and_recomputes_what_it_attends_to() -> None:
+def test_lead_probes_the_question_and_recomputes_what_it_attends_to() -> None:
     from kvsplice.repair.query import QueryAttentionObserver, probe_layers
 
     cfg = tiny_models.llama_config()
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
     task = RepairTask(plan, 2, num_layers=4, model=cfg)
-    policy = make_policy("query")
+    policy = make_policy("lead")
     probe = policy.decide(task).probe
     assert probe is not None and probe.positions == () and not probe.resume
     # Every layer is global: the first at or past a quarter of the depth (of 4 layers, layer 1).
@@ -145,7 +138,7 @@ def test_after_a_question_probe_only_the_question_runs_the_probe_layers_again() 
 
     def passes(score: list[float]) -> list[tuple[tuple[int, ...], range]]:
         run = RepairRun(
-            make_policy("query"), RepairTask(plan, 2, num_layers=4, model=tiny_models.llama_config())
+            make_policy("lead"), RepairTask(plan, 2, num_layers=4, model=tiny_models.llama_config())
         )
         run.first.observer.score = torch.tensor(score)  # type: ignore[union-attr]
         found = [run.first]
@@ -154,7 +147,8 @@ def test_after_a_question_probe_only_the_question_runs_the_probe_layers_again() 
         return [(p.positions, p.layers) for p in found]
 
     for score, chosen in [
-        ([9.0, 9, 0.1, 0.2, 0.3, 9, 0.4, 5, 6, 9, 9, 9], (7, 8)),
+        # The first segment's best (at most half the budget), then the best anywhere.
+        ([9.0, 9, 0.1, 0.2, 0.3, 9, 0.4, 5, 6, 9, 9, 9], (4, 8)),
         ([9.0, 9, 0.1, 3, 0.2, 9, 0.3, 0.4, 5, 9, 9, 9], (3, 8)),
     ]:
         runs = passes(score)
@@ -180,7 +174,7 @@ def test_a_new_document_after_the_last_reused_one_is_not_the_question() -> None:
     assert make_plan(12, 2, [(2, 5, 0)]).question() == tuple(range(5, 12))
     # A prompt that ends with its last marked segment: the question is at least the last token.
     assert make_plan(12, 2, [(2, 5, 0)], question_from=12).question() == (11,)
-    run = RepairRun(make_policy("query"), RepairTask(plan, 1, num_layers=4, model=tiny_models.llama_config()))
+    run = RepairRun(make_policy("lead"), RepairTask(plan, 1, num_layers=4, model=tiny_models.llama_config()))
     assert run.first.observer._watched.nonzero().squeeze(1).tolist() == [9, 10, 11]  # type: ignore[union-attr]
     run.first.observer.score = torch.tensor([9.0, 9, 0.1, 3, 0.2, 9, 9, 9, 9, 9, 9, 9])  # type: ignore[union-attr]
     runs = [(run.first.positions, run.first.layers)]
@@ -329,15 +323,15 @@ def test_repair_passes_carry_the_segment_shift_of_the_approximate_segments() -> 
 
     # Positions 0-1 cached, 2-4 spliced from lead KV (exact), 6-8 spliced, 5 and 9-11 computed.
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)], lead_kv=frozenset({0}))
-    run = RepairRun(make_policy("recency"), RepairTask(plan, 2, num_layers=4, shift=0.5))
+    run = RepairRun(make_policy("boundary"), RepairTask(plan, 2, num_layers=4, shift=0.5))
     shift = run.first.shift
     assert shift is not None and shift.scale == 0.5
     assert list(shift.segments) == [(6, 7, 8)], "the lead KV's span is exact: no shift"
     assert shift.fresh == {layer: frozenset() for layer in range(4)}
-    assert RepairRun(make_policy("recency"), RepairTask(plan, 2, num_layers=4)).first.shift is None
+    assert RepairRun(make_policy("boundary"), RepairTask(plan, 2, num_layers=4)).first.shift is None
     # A pass that recomputes no spliced token shifts nothing (the question probe's first pass).
     probe = RepairRun(
-        make_policy("query"), RepairTask(plan, 2, num_layers=4, model=tiny_models.llama_config(), shift=0.5)
+        make_policy("lead"), RepairTask(plan, 2, num_layers=4, model=tiny_models.llama_config(), shift=0.5)
     )
     assert probe.first.shift is None
 
@@ -363,7 +357,7 @@ def test_each_adaptive_round_leaves_alone_what_earlier_rounds_recomputed() -> No
     assert second.shift.fresh == dict.fromkeys(range(4), round_one)
 
 
-@pytest.mark.parametrize("name", ["boundary", "recency", "deviation", "query", "lead", "adaptive"])
+@pytest.mark.parametrize("name", ["boundary", "deviation", "lead", "adaptive"])
 @pytest.mark.parametrize("budget", [1, 3, 6])
 def test_no_policy_recomputes_tokens_spliced_from_lead_kv(name: str, budget: int) -> None:
     """A segment spliced from its lead KV computed after the same head holds a full prefill's KV: budget

@@ -16,7 +16,6 @@ from kvsplice import LLM, SamplingParams, Segment
 from kvsplice.kv import rope
 from kvsplice.model_config import RopeSpec
 from kvsplice.options import RequestOptions
-from kvsplice.repair.margin import LEAD_BELOW
 from tests import tiny_models
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, return_first_logits=True)
@@ -83,8 +82,7 @@ def test_segment_at_its_canonical_place_equals_the_prefix_cached_request(model_d
         ("none", [0.0]),
         ("boundary", [0.1, 0.3]),
         ("deviation", [0.1, 0.3]),
-        ("recency", [0.1, 0.3]),
-        ("margin", [0.1, 0.3]),
+        ("lead", [0.1, 0.3]),
     ],
 )
 def test_metrics_add_up_and_recompute_stays_in_budget(
@@ -100,15 +98,7 @@ def test_metrics_add_up_and_recompute_stays_in_budget(
         # that an earlier request recomputed before any approximate KV), the documents are spliced.
         assert m.prefix_hit_tokens >= len(SYSTEM) and m.computed_tokens == len(QUESTION)
         assert m.prefix_hit_tokens + m.segment_hit_tokens == len(SYSTEM) + sum(len(d) for d in DOCS)
-        budget = round(ratio * m.segment_hit_tokens)
-        if policy == "margin":
-            # It pays for its probe out of the budget, or, where that would leave under half, repairs
-            # as lead does with all of it (repair/margin.py).
-            assert LEAD_BELOW * budget <= m.recomputed_tokens <= budget
-            # At 30% the probe costs under half the budget here: it pays.
-            assert ratio < 0.3 or m.recomputed_tokens < budget
-        else:
-            assert m.recomputed_tokens == budget
+        assert m.recomputed_tokens == round(ratio * m.segment_hit_tokens)
     absolute = llm.generate([_parts([2, 3, 1, 0])], GREEDY, RequestOptions(recompute_tokens=5))[0]
     assert absolute.metrics.recomputed_tokens == (0 if policy == "none" else 5)
 
@@ -117,7 +107,7 @@ def test_a_turn_that_extends_a_spliced_request_reuses_its_kv(model_dir: Path) ->
     """The next turn of a spliced request takes the request's own KV (approximate, under segment keys)
     as its prefix: it reads exactly the KV the previous answer came from, so its greedy continuation
     is the previous one's, one token on. No other request can take that KV."""
-    llm = _llm(model_dir, prefix_cache="radix", repair="recency", recompute_ratio=0.2)
+    llm = _llm(model_dir, prefix_cache="radix", repair="boundary", recompute_ratio=0.2)
     _warm(llm)
     parts = _parts([2, 0, 3])
     first = llm.generate([parts], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
@@ -152,7 +142,7 @@ def test_reuse_continues_past_a_missing_segment(model_dir: Path) -> None:
 
 
 def test_a_segment_that_starts_like_a_cached_one_is_still_stored(model_dir: Path) -> None:
-    llm = _llm(model_dir, prefix_cache="radix", repair="recency")
+    llm = _llm(model_dir, prefix_cache="radix", repair="boundary")
     first, second = [7, *DOCS[0][1:]], [7, *DOCS[1][1:]]
     llm.generate([[SYSTEM, Segment(first), QUESTION]], GREEDY)
     # Under segment keys the cached path matches the first token of the new segment too (same token,
@@ -270,22 +260,8 @@ def test_moved_first_layer_keys_equal_keys_computed_at_the_new_positions(model_d
     assert len(moved) == 2
 
 
-def test_canonical_segments_are_computed_in_the_background_after_the_first_token(model_dir: Path) -> None:
-    llm = _llm(model_dir, prefix_cache="off", segment_kv="canonical")
-    engine = llm.engine
-    engine.add_request([SYSTEM, Segment(DOCS[0]), QUESTION], SamplingParams(max_tokens=1))
-    first = engine.step()
-    # The first token is out of the prefill step; the missed segment is not stored yet.
-    assert len(first) == 1 and first[0].output is not None and len(engine.segment_store) == 0
-    assert engine.has_unfinished()  # the store fill, background work
-    while engine.has_unfinished():
-        assert engine.step() == []
-    assert len(engine.segment_store) == 1
-    assert engine.segment_store.stats.inserted_tokens == len(DOCS[0])
-
-
 def test_prompt_segments_are_kept_from_the_request_that_computed_them(model_dir: Path) -> None:
-    """segment_kv="prompt": the store keeps the KV the first request computed (no token computed twice),
+    """The store keeps the KV the first request computed (no token computed twice),
     moved to the canonical positions: its first-layer keys equal keys computed there directly."""
     llm = _llm(model_dir, prefix_cache="off", repair="none")
     engine = llm.engine

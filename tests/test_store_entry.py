@@ -64,7 +64,6 @@ def test_keys_differ_for_any_change_of_model_dtype_salt_or_tokens() -> None:
         entry_key(fingerprint(num_kv_heads=1), "", tokens),
         entry_key(fingerprint(rope="full:theta=1e4"), "", tokens),
         entry_key(fingerprint(context_tokens=(2, 7, 7)), "", tokens),
-        entry_key(fingerprint(segment_kv="canonical"), "", tokens),
         entry_key(fingerprint(segment_contexts=4), "", tokens),
         entry_key(FP, "tenant-a", tokens),
         entry_key(FP, "", [5, 6]),

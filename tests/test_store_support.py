@@ -29,7 +29,6 @@ def fingerprint(**changes: object) -> KVFingerprint:
         head_dim=DIM,
         rope="full:theta=1e6;sliding:theta=1e4",
         context_tokens=(2, 7, 7, 9),
-        segment_kv="prompt",
         segment_contexts=1,
     )
     fields.update(changes)

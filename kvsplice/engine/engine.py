@@ -128,7 +128,6 @@ class Engine:
             self.pool,
             self.runner,
             self.lower,
-            config.segment_kv,
             config.segment_contexts,
             config.segment_lead_kv,
         )
@@ -220,9 +219,8 @@ class Engine:
             outputs += self._prefill_chunk(request, tokens)
         if batch.background_tokens > 0 and not self.store_work.copy(1):
             # One segment's copy a step, whatever the budget: a request that arrives while it runs waits
-            # for one copy, not for every queued one (sent the moment a cold request had answered, a
-            # request waited for the copies of all six of its documents: 1.17x its idle TTFT). Fills
-            # (segment_kv="canonical") take the step's budget when no copy is queued.
+            # for one copy, not for every queued one. Fills (extra contexts, lead KV) take the step's
+            # budget when no copy is queued.
             self.store_work.fill(batch.background_tokens)
         if self.events is not None:
             self.events.flush()
@@ -232,8 +230,8 @@ class Engine:
         """Copy the segments queued for the store (the last requests' new documents: a copy is cheap,
         and without it they would never reach the tiers below), finish the tiers' queued writes (a few
         seconds at most) and the queued KV events, then release them. Requests still in the engine are
-        not run, nor queued store fills (segment_kv="canonical") or extra contexts (segment_contexts), which
-        would compute: a segment still waiting for contexts goes to the tiers with those it has."""
+        not run, nor queued fills (extra contexts, lead KV), which would compute: a segment still
+        waiting for contexts goes to the tiers with those it has."""
         self.store_work.copy()
         self.store_work.write_unsampled()
         if self.lower is not None:

@@ -5,11 +5,10 @@
     pending(namespace, tokens)               where a queued segment's KV is until it is copied
     copy(segments)                           copy queued captures into the store, segment by segment (tens
                                              of milliseconds each), and let go of the blocks held for them
-    fill(tokens)                             one chunk of the segments computed again on their own
-                                             (segment_kv="canonical"), or of a stored segment computed
-                                             after another context (segment_contexts > 1) or at a
-                                             prompt's start (segment_lead_kv), or of the canonical
-                                             context (once, before the first context sample)
+    fill(tokens)                             one chunk of a stored segment computed after another
+                                             context (segment_contexts > 1) or at a prompt's start
+                                             (segment_lead_kv), or of the canonical context (once,
+                                             before the first context sample)
 
 None of it runs in a step with a prefill in it or a request waiting (the scheduler leaves no
 background budget there), so no first token waits for another request's store work. A request
@@ -30,16 +29,10 @@ from kvsplice.kv.pool import KVPool
 from kvsplice.models.runner import ModelRunner
 from kvsplice.reuse.lower_tiers import LowerTiers
 from kvsplice.reuse.prefill import MissedSegment, PendingKV, Prefill
-from kvsplice.reuse.store_fill import (
-    CanonicalContextFill,
-    ContextSample,
-    LeadFill,
-    StoreFill,
-    capture_in_place,
-)
+from kvsplice.reuse.store_fill import CanonicalContextFill, ContextSample, LeadFill, capture_in_place
 from kvsplice.reuse.work import PrefillWork
 
-Fill = StoreFill | ContextSample | CanonicalContextFill | LeadFill
+Fill = ContextSample | CanonicalContextFill | LeadFill
 
 
 @dataclass(frozen=True)
@@ -63,7 +56,6 @@ class StoreWork:
         pool: KVPool,
         runner: ModelRunner,
         lower: LowerTiers | None,
-        segment_kv: str,
         segment_contexts: int = 1,
         segment_lead_kv: bool = False,
     ) -> None:
@@ -71,15 +63,13 @@ class StoreWork:
         self.pool = pool
         self.runner = runner
         self.lower = lower
-        self.segment_kv = segment_kv
         self.segment_contexts = segment_contexts
         self.segment_lead_kv = segment_lead_kv
         self._copies: deque[_Copy] = deque()
-        # Segments to compute on their own and store, or after another context, or the canonical
+        # Stored segments to compute after another context or at a prompt's start, or the canonical
         # context; the one being computed.
         self._fills: deque[Fill] = deque()
         self._filling: tuple[Fill, PrefillWork] | None = None
-        self.fills_dropped = 0
         self.samples_dropped = 0
         self.leads_dropped = 0
 
@@ -115,20 +105,14 @@ class StoreWork:
             )
         if not prefill.missed:
             return
-        if self.segment_kv == "prompt":
-            # Hold the request's blocks up to the last missed token until the copy: the request may
-            # finish, and release them, in this very step.
-            last = max(m.start + len(m.tokens) for m in prefill.missed)
-            blocks = block_table[: -(-last // self.pool.block_size)]
-            self.pool.allocator.incref(blocks)
-            for i, missed in enumerate(prefill.missed):
-                release = i == len(prefill.missed) - 1
-                self._copies.append(_Copy(namespace, blocks, missed, release, head))
-            return
-        for missed in prefill.missed:
-            self._fills.append(
-                StoreFill(self.store, self.pool, self.runner.num_layers, namespace, missed.tokens, head)
-            )
+        # Hold the request's blocks up to the last missed token until the copy: the request may
+        # finish, and release them, in this very step.
+        last = max(m.start + len(m.tokens) for m in prefill.missed)
+        blocks = block_table[: -(-last // self.pool.block_size)]
+        self.pool.allocator.incref(blocks)
+        for i, missed in enumerate(prefill.missed):
+            release = i == len(prefill.missed) - 1
+            self._copies.append(_Copy(namespace, blocks, missed, release, head))
 
     def pending(self, namespace: Hashable, tokens: tuple[int, ...]) -> PendingKV | None:
         """Where a segment whose copy is queued has its KV: in the blocks of the request that computed
@@ -166,8 +150,6 @@ class StoreWork:
                 elif isinstance(fill, ContextSample):
                     self.samples_dropped += 1
                     self._sampled(fill)
-                elif isinstance(fill, StoreFill):
-                    self.fills_dropped += not self.store.contains(fill.namespace, fill.tokens)
                 continue
             self._filling = (fill, work)
         if self._filling is None:
@@ -180,8 +162,6 @@ class StoreWork:
             self._filling = None
             if isinstance(fill, ContextSample):
                 self._sampled(fill)
-            elif isinstance(fill, StoreFill):
-                self._stored(fill.namespace, fill.tokens, fill.head)
 
     def _stored(self, namespace: Hashable, tokens: tuple[int, ...], head: tuple[int, ...]) -> None:
         """A segment entered the store: queue its lead KV and its other contexts, or, with no context to

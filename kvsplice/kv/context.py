@@ -14,7 +14,6 @@ import torch
 
 from kvsplice.kv import rope
 from kvsplice.kv.attention import attend
-from kvsplice.kv.attribution import MarginAttribution
 from kvsplice.kv.pool import KVPool
 from kvsplice.model_config import ModelConfig
 from kvsplice.repair.shift import SegmentShift
@@ -43,12 +42,10 @@ class ForwardContext:
         observer: LayerObserver | None = None,
         shift: SegmentShift | None = None,
         sequence_slots: torch.Tensor | None = None,
-        attribution: MarginAttribution | None = None,
     ) -> None:
         """positions, write_slots: [B, T]; key_slots, key_pos: [B, S] (padding: slot 0, position NO_KEY).
         With a shift (one sequence): sequence_slots [blocks * block_size], the slot of each position of
-        the sequence's whole block table (the shift reaches tokens past the chunk's last query). With an
-        attribution (one sequence), attention reads the pool's KV through it (kv/attribution.py)."""
+        the sequence's whole block table (the shift reaches tokens past the chunk's last query)."""
         self.cfg = cfg
         self.pool = pool
         self.freqs = freqs
@@ -59,9 +56,7 @@ class ForwardContext:
         self.observer = observer
         self.shift = shift
         self.sequence_slots = sequence_slots
-        self.attribution = attribution
         assert shift is None or (sequence_slots is not None and positions.shape[0] == 1)
-        assert attribution is None or positions.shape[0] == 1
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,12 +75,8 @@ class ForwardContext:
             pool_k, pool_v, freq = self.pool.k[layer], self.pool.v[layer], self.freqs[kind]
             slots = self.sequence_slots
             self.shift.apply(layer, self.positions[0], slots, k[0], v[0], pool_k, pool_v, freq, kind)
-        # Detached: the pool holds values, never a graph (an attribution's pass runs with gradients).
-        self.pool.write(layer, self.write_slots.flatten(), k.flatten(0, 1).detach(), v.flatten(0, 1).detach())
+        self.pool.write(layer, self.write_slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
         keys, values = self.pool.read(layer, self.key_slots)  # [B, S, Hkv, D]
-        if self.attribution is not None:
-            read = self.attribution.read(keys[0], values[0], self.positions[0], k[0], v[0])
-            keys, values = read[0][None], read[1][None]
         return attend(
             q,
             self.positions,

@@ -17,10 +17,9 @@ import torch
 
 from kvsplice.kv import rope
 from kvsplice.kv.attention import NO_KEY
-from kvsplice.kv.attribution import MarginAttribution
 from kvsplice.kv.context import ForwardContext, LayerObserver
 from kvsplice.kv.pool import KVPool
-from kvsplice.models.flops import FlopModel, with_backward
+from kvsplice.models.flops import FlopModel
 from kvsplice.models.layers import CausalLM
 from kvsplice.repair.shift import SegmentShift
 
@@ -41,9 +40,6 @@ class ForwardChunk:
     observer: LayerObserver | None = None
     # A repair pass's segment shift (repair/shift.py).
     shift: SegmentShift | None = None
-    # Scores the KV the chunk reads by its effect on the last token's margin (kv/attribution.py): the
-    # chunk runs with gradients, through every layer, to the logits.
-    attribution: MarginAttribution | None = None
 
 
 @dataclass(frozen=True)
@@ -82,18 +78,13 @@ class ModelRunner:
     def num_layers(self) -> int:
         return self.cfg.num_layers
 
+    @torch.inference_mode()
     def forward(self, chunk: ForwardChunk) -> ForwardResult:
-        attributing = chunk.attribution is not None
-        with torch.inference_mode(not attributing), torch.set_grad_enabled(attributing):
-            return self._forward(chunk)
-
-    def _forward(self, chunk: ForwardChunk) -> ForwardResult:
         assert chunk.positions and len(chunk.positions) == len(chunk.token_ids)
         layers = chunk.layers
         assert 0 <= layers.start < layers.stop <= self.num_layers and layers.step == 1
         assert (chunk.hidden is None) == (layers.start == 0), "hidden states come in exactly past layer 0"
         assert not chunk.need_logits or layers.stop == self.num_layers
-        assert chunk.attribution is None or chunk.need_logits, "an attribution scores by the logits"
         positions = torch.tensor(chunk.positions, dtype=torch.int64, device=self.device)
         ctx = self._context(
             [chunk.block_table],
@@ -101,7 +92,6 @@ class ModelRunner:
             [chunk.positions[-1] + 1],
             chunk.observer,
             chunk.shift,
-            chunk.attribution,
         )
         if chunk.hidden is None:
             ids = torch.tensor(chunk.token_ids, dtype=torch.int64, device=self.device)
@@ -118,11 +108,7 @@ class ModelRunner:
         if not chunk.need_logits:
             return ForwardResult(None, None, dense + attention)
         logits = self.model.logits(h[:, -1])[0]
-        dense += self.flops.head(1)
-        if chunk.attribution is None:
-            return ForwardResult(logits.detach(), None, dense + attention)
-        chunk.attribution.finish(logits)
-        return ForwardResult(logits.detach(), None, with_backward(dense, attention))
+        return ForwardResult(logits, None, dense + attention + self.flops.head(1))
 
     def prefill(
         self, block_table: Sequence[int], token_ids: Sequence[int], positions: Sequence[int]
@@ -154,7 +140,6 @@ class ModelRunner:
         lengths: list[int],
         observer: LayerObserver | None = None,
         shift: SegmentShift | None = None,
-        attribution: MarginAttribution | None = None,
     ) -> ForwardContext:
         bs = self.pool.block_size
         num_blocks = max(-(-n // bs) for n in lengths)
@@ -192,5 +177,4 @@ class ModelRunner:
             observer,
             shift,
             sequence_slots,
-            attribution,
         )

@@ -24,7 +24,6 @@ from typing import ClassVar
 
 import torch
 
-from kvsplice.kv.attribution import MarginAttribution
 from kvsplice.kv.context import LayerObserver
 from kvsplice.model_config import ModelConfig
 from kvsplice.reuse.plan import Plan
@@ -51,20 +50,12 @@ class Probe:
     # Spliced positions computed on layers 0..last_layer, alongside every computed token.
     positions: tuple[int, ...]
     last_layer: int
-    # Watches the probe's layers (None: the policy needs only its logits or its attribution).
-    observer: LayerObserver | None
+    # Watches the probe's layers.
+    observer: LayerObserver
     # The chosen tokens and the computed ones resume from the probe's hidden states after last_layer
     # (the chosen must then be among the probed positions); else the chosen first run layers
     # 0..last_layer, and then both resume (a probe through every layer: both start again from layer 0).
     resume: bool = True
-    # A probe of the margin instead: the computed tokens but the attribution's queries (the question's
-    # last tokens) run every layer, then those do, scoring the KV they read by its effect on the first
-    # token's margin (kv/attribution.py), then the question (plan.question()) and the chosen run every
-    # layer again. Such a probe has no positions, last_layer = the last layer, and no resume.
-    attribution: MarginAttribution | None = None
-
-    def __post_init__(self) -> None:
-        assert self.observer is not None or self.attribution is not None, "a probe watches something"
 
 
 @dataclass(frozen=True)

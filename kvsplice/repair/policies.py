@@ -1,4 +1,5 @@
-"""The repair policies: none, boundary (EPIC), deviation (CacheBlend), recency, full (query: query.py)."""
+"""The reference and baseline repair policies: none, full, boundary (EPIC), deviation (CacheBlend); the
+default, lead, is in query.py."""
 
 from __future__ import annotations
 
@@ -99,23 +100,3 @@ class DeviationRepair(RepairPolicy):
         score = probe.observer.score[candidates]
         top = torch.topk(score, min(task.budget, len(candidates))).indices
         return tuple(sorted(candidates[top].tolist()))
-
-
-class RecencyRepair(RepairPolicy):
-    """Recompute the reused tokens nearest the end of the prompt.
-
-    The tokens after the last segment (the question) and every generated token attend, on a
-    sliding-window layer, only to the last `window` positions; on Gemma 3, 5 of every 6 layers. Making
-    the reused KV there consistent with the prompt therefore fixes most of what the answer reads,
-    while stale KV further back is only read by the few global layers. On the qa bench (Gemma 3 270M,
-    six documents) it beat token selection by KV deviation and segment boundaries at the same budget;
-    on the harder recall evaluation the query policy halves its KL (bench/results/recall_gemma_8docs),
-    and on SmolLM2, without sliding windows, it is behind both query and deviation.
-    """
-
-    name = "recency"
-
-    def decide(self, task: RepairTask) -> RepairDecision:
-        stale = task.plan.stale()
-        budget = task.budget
-        return RepairDecision(tuple(stale[len(stale) - budget :]) if budget > 0 else ())

@@ -90,47 +90,31 @@ def question_probe(task: RepairTask, last_layer: int) -> Probe:
     return Probe((), last_layer, observer, resume=False)
 
 
-class QueryRepair(RepairPolicy):
-    """Recompute the reused tokens the question attends to most (kvsplice's query-aware policy)."""
-
-    name = "query"
-
-    def decide(self, task: RepairTask) -> RepairDecision:
-        def probe(stale: tuple[int, ...]) -> Probe:
-            assert task.model is not None, "the query policy needs the model's layer types"
-            return question_probe(task, max(probe_layers(task.model)))
-
-        return probe_unless_settled(task, probe)
-
-    def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
-        assert isinstance(probe.observer, QueryAttentionObserver)
-        return most_attended(task.plan, probe.observer.score, task.budget)
-
-
 # The first segment takes at most this share of the budget: at 4 documents it is a quarter of the
 # prompt and would take all of it, leaving the answer's document unrepaired wherever else it is.
 LEAD_SHARE = 0.5
 
 
-class LeadQueryRepair(QueryRepair):
-    """The first reused segment's tokens first (at most half the budget), then by the question's attention.
+class LeadQueryRepair(RepairPolicy):
+    """Recompute the reused tokens the question attends to most, the prompt's first reused segment first
+    (at most `LEAD_SHARE` of the budget). The default policy (EngineConfig.repair).
 
-    In place the first reused segment follows only the start of the prompt (and, on a sliding-window
-    layer, sees BOS), while its stored KV was computed after other content: on the recall evaluation the
-    damage concentrates where the answer is in the first document, on both models. Within the first
-    segment the question's attention ranks too, and it takes at most `LEAD_SHARE` of the budget.
-    Measured on recall at 15% (Gemma 3, 30 requests per setting, bench/results/recall_gemma_lead_share;
-    query in brackets): 4 documents KL 0.081 (0.089), 8 documents 0.055 (0.095); leading with the whole
-    first segment gave 0.132 at 4 documents in an experiment run (its budget all went there). It is
-    the default (EngineConfig.repair).
-
-    Only the prompt's first segment leads. Where the prefix cache already gave it (an earlier request
-    that started with the same segment, under segment keys, whose KV this policy had recomputed), the
-    first spliced segment follows it, as in any other place, and the question alone ranks; so it does
-    where the first segment is spliced from its lead KV (EngineConfig.segment_lead_kv) computed after
-    the same head, which is a full prefill's KV."""
+    A probe runs the computed tokens (no reused one) through the first layers up to the probe layer
+    over the moved, unrepaired KV and sums the attention the question pays each reused token there.
+    In place the first reused segment follows only the start of the prompt, while its stored KV was
+    computed after other content, so the damage concentrates there; within it the question's attention
+    ranks too. Only the prompt's first segment leads: where the prefix cache gave it, or it is spliced
+    from lead KV computed after the same head (a full prefill's KV), the question alone ranks.
+    docs/design.md gives the measurements that chose it."""
 
     name = "lead"
+
+    def decide(self, task: RepairTask) -> RepairDecision:
+        def probe(stale: tuple[int, ...]) -> Probe:
+            assert task.model is not None, "the lead policy needs the model's layer types"
+            return question_probe(task, max(probe_layers(task.model)))
+
+        return probe_unless_settled(task, probe)
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, QueryAttentionObserver)

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 from kvsplice.repair.adaptive import AdaptiveRepair
 from kvsplice.repair.base import RepairPolicy
-from kvsplice.repair.margin import MarginRepair
-from kvsplice.repair.policies import BoundaryRepair, DeviationRepair, FullRepair, NoRepair, RecencyRepair
-from kvsplice.repair.query import LeadQueryRepair, QueryRepair
+from kvsplice.repair.policies import BoundaryRepair, DeviationRepair, FullRepair, NoRepair
+from kvsplice.repair.query import LeadQueryRepair
 
 POLICIES: dict[str, type[RepairPolicy]] = {
     cls.name: cls
-    for cls in (
-        NoRepair,
-        BoundaryRepair,
-        DeviationRepair,
-        RecencyRepair,
-        QueryRepair,
-        LeadQueryRepair,
-        MarginRepair,
-        AdaptiveRepair,
-        FullRepair,
-    )
+    for cls in (NoRepair, BoundaryRepair, DeviationRepair, LeadQueryRepair, AdaptiveRepair, FullRepair)
 }
 POLICY_NAMES = tuple(POLICIES)
 

@@ -107,7 +107,6 @@ def store_fingerprint(
         head_dim=cfg.head_dim,
         rope=f"layers={layers};window={cfg.sliding_window};{rope}",
         context_tokens=context,
-        segment_kv=config.segment_kv,
         segment_contexts=config.segment_contexts,
     )
 

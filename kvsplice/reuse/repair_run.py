@@ -1,11 +1,9 @@
 """A repair run: the passes a repair policy asks for, one after another, as the prefill's work.
 
 A policy decides at once (one pass through every layer) or after a probe (the probe's layers, then the
-chosen tokens' rest; a probe with a margin attribution is the computed tokens but the question's last
-through every layer, the attributed pass of those, then the question and the chosen from the first
-layer); a policy that refines asks for more rounds after each full pass; a fallback margin adds one
-pass that recomputes every stale token. Each pass carries the segment shift where it recomputes spliced tokens
-(repair/shift.py).
+chosen tokens' rest); a policy that refines asks for more rounds after each full pass; a fallback
+margin adds one pass that recomputes every stale token. Each pass carries the segment shift where it
+recomputes spliced tokens (repair/shift.py).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kvsplice.kv.context import LayerObserver
-from kvsplice.repair.base import Probe, RepairPolicy, RepairTask
+from kvsplice.repair.base import RepairPolicy, RepairTask
 from kvsplice.repair.shift import SegmentShift
 from kvsplice.reuse.plan import SpanKind
 from kvsplice.reuse.work import Pass
@@ -53,12 +51,6 @@ class RepairRun:
             )
             self.recomputed: tuple[int, ...] | None = self.decision.recompute
             self.first = self._pass(_union(self._compute, self.decision.recompute), range(layers))
-        elif probe.attribution is not None:
-            assert not probe.positions and not probe.resume and probe.last_layer == layers - 1
-            self.recomputed = None
-            attributed = set(probe.attribution.queries)
-            before = tuple(p for p in self._compute if p not in attributed)
-            self.first = self._pass(before, range(layers)) if before else self._attributed(probe)
         else:
             assert set(probe.positions) <= spliced and 0 <= probe.last_layer < layers
             self.recomputed = None
@@ -74,16 +66,9 @@ class RepairRun:
         if self.recomputed is not None:
             return self._refine(logits)
         assert probe is not None
-        if probe.attribution is not None and not probe.attribution.done:
-            return self._attributed(probe)
         chosen = self.policy.choose(self.task, probe, logits)
         assert len(chosen) <= self.task.budget
         self.recomputed = chosen
-        if probe.attribution is not None:
-            # The question again, over the chosen tokens' repaired KV, from the first layer. The computed
-            # tokens before it keep the KV the probe gave them (over the unrepaired KV, as those after a
-            # chosen token have on a query probe's layers): on the recall prompts the separators.
-            return self._pass(_union(self.task.plan.question(), chosen), range(self.task.num_layers))
         rest = self._pass(_union(self._compute, chosen), range(probe.last_layer + 1, self.task.num_layers))
         if not probe.resume:
             assert set(chosen) <= set(self.task.plan.positions(SpanKind.SPLICED))
@@ -108,11 +93,6 @@ class RepairRun:
             return self._pass(again, range(probe.last_layer + 1))
         assert set(chosen) <= set(probe.positions)
         return rest if rest.layers else None
-
-    def _attributed(self, probe: Probe) -> Pass:
-        """The question's last tokens through every layer, scoring the KV they read (kv/attribution.py)."""
-        assert probe.attribution is not None
-        return Pass(probe.attribution.queries, range(self.task.num_layers), attribution=probe.attribution)
 
     def _refine(self, logits: torch.Tensor | None) -> Pass | None:
         """Another round of the policy's, after a pass through every layer."""

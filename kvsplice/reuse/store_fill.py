@@ -1,11 +1,10 @@
-"""Filling the segment store with the segments a request missed, in one of two ways:
+"""Filling the segment store with the segments a request missed.
 
-- `capture_in_place`: the KV the request itself computed for the segment (exact in that request's
-  context) is copied into blocks of the store's own, keys rotated to the canonical positions. No
-  token is computed twice: a new document costs one prefill, as with a prefix cache.
-- `StoreFill`: the segment is computed again on its own, after the canonical context.
+`capture_in_place`: the KV the request itself computed for the segment (exact in that request's
+context) is copied into blocks of the store's own, keys rotated to the canonical positions. No token
+is computed twice: a new document costs one prefill, as with a prefix cache.
 
-Either way the stored KV saw one context, and a spliced segment is wrong by how its new context differs
+The stored KV saw one context, and a spliced segment is wrong by how its new context differs
 from that one. With `EngineConfig.segment_contexts` = n > 1 the store then computes the segment after
 n - 1 more contexts made of other segments it holds (`ContextSample`), and keeps the mean KV over all
 n: the mean is nearer to the KV of an unseen context than any one sample (the part of the KV that
@@ -13,8 +12,8 @@ depends on which context preceded averages out), which is what repair starts fro
 
 A fill is background work: the scheduler runs it only in token budget no request needs, and it is
 dropped (never waited for) when the pool has no memory to spare. The canonical context's KV is
-computed once and held by the store for good: by the first `StoreFill`, in the same pass, or by a
-`CanonicalContextFill` before the first context sample, whose canonical text is then moved from it.
+computed once and held by the store for good, by a `CanonicalContextFill` before the first context
+sample, whose canonical text is then moved from it.
 """
 
 from __future__ import annotations
@@ -31,58 +30,6 @@ from kvsplice.kv.pool import KVPool
 from kvsplice.model_config import ModelConfig
 from kvsplice.reuse.place import move_kv
 from kvsplice.reuse.work import Pass, PrefillWork
-
-
-class StoreFill:
-    def __init__(
-        self,
-        store: SegmentStore,
-        pool: KVPool,
-        num_layers: int,
-        namespace: Hashable,
-        tokens: tuple[int, ...],
-        head: tuple[int, ...] = (),
-    ) -> None:
-        """head: the head of the prompt that missed the segment, for its lead KV (`LeadFill`)."""
-        self.store = store
-        self.pool = pool
-        self.num_layers = num_layers
-        self.namespace = namespace
-        self.tokens = tokens
-        self.head = head
-        self._blocks: list[int] = []
-        self._with_context = False
-
-    def start(self) -> PrefillWork | None:
-        """Reserve the fill's blocks and return its work; None when the store already holds the
-        segment or memory is short (the fill is dropped)."""
-        if self.store.contains(self.namespace, self.tokens):
-            return None
-        bs, context = self.pool.block_size, self.store.context
-        self._with_context = self.store.context_blocks is None
-        own = -(-len(self.tokens) // bs) + (len(context) // bs if self._with_context else 0)
-        try:
-            self._blocks = self.pool.allocator.allocate(own)
-        except OutOfBlocksError:
-            return None
-        table = self._blocks if self._with_context else self.store.context_blocks + self._blocks  # type: ignore[operator]
-        start = 0 if self._with_context else len(context)
-        positions = tuple(range(start, len(context) + len(self.tokens)))
-        return PrefillWork(
-            table,
-            context + self.tokens,
-            Pass(positions, range(self.num_layers)),
-            self.num_layers,
-            need_logits=False,
-        )
-
-    def finish(self) -> None:
-        """The work is done: the store takes the blocks (and the context's, on the first fill)."""
-        blocks = self._blocks
-        if self._with_context:
-            split = len(self.store.context) // self.pool.block_size
-            self.store.context_blocks, blocks = blocks[:split], blocks[split:]
-        self.store.insert(self.namespace, self.tokens, blocks)
 
 
 def capture_in_place(
@@ -162,7 +109,7 @@ class LeadFill:
     the same head, that is the KV a full prefill computes there, and after another short head it is
     nearly so, while the stored KV was computed after a long context; on the recall evaluation the
     first document is where the stored KV is furthest from a full prefill's. Background work like
-    `StoreFill`."""
+    a context sample."""
 
     def __init__(
         self,
@@ -220,7 +167,7 @@ class ContextPiece:
 
 class ContextSample:
     """The `index`-th extra context of a stored segment: the segment computed after other segments the
-    store holds, folded into the entry's running mean. Background work like `StoreFill`.
+    store holds, folded into the entry's running mean. Background work.
 
     The other segments' KV is moved from the store, not computed: only the segment's own tokens (and
     the first token, and canonical text where the others are too few) run through the model. The

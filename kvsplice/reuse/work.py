@@ -10,8 +10,7 @@ its position, so when a pass's chunks run in position order every query reads ex
 would read if the whole pass ran at once (the earlier chunks have written theirs on every layer of
 the pass). Only the floating-point grouping of the matmuls differs. A pass with the segment shift
 is cut only between the samples it estimates from (repair/shift.py), so a chunk may hold more than it
-was granted: the whole of a sample longer than the grant. A pass with a margin attribution is never
-cut (kv/attribution.py).
+was granted: the whole of a sample longer than the grant.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsplice.kv.attribution import MarginAttribution
 from kvsplice.kv.context import LayerObserver
 from kvsplice.models.runner import ForwardChunk, ForwardResult
 from kvsplice.repair.shift import SegmentShift
@@ -34,9 +32,6 @@ class Pass:
     layers: range
     observer: LayerObserver | None = None
     shift: SegmentShift | None = None
-    # A pass that scores the KV it reads (kv/attribution.py) runs as one chunk: the margin's gradient
-    # needs the whole pass in one graph.
-    attribution: MarginAttribution | None = None
 
 
 class PrefillWork:
@@ -115,7 +110,6 @@ class PrefillWork:
             need_logits=self.need_logits and last and current.layers.stop == self.num_layers,
             observer=current.observer,
             shift=current.shift,
-            attribution=current.attribution,
         )
 
     def complete(self, chunk: ForwardChunk, result: ForwardResult) -> torch.Tensor | None:
@@ -168,10 +162,7 @@ class PrefillWork:
             assert self._carry_stop == p.layers.start, "a pass resumes where the carried states stopped"
         self._pass, self._done = p, 0
         self._cuts = None
-        if p.attribution is not None:
-            assert p.shift is None and p.layers == range(self.num_layers), "an attribution's pass is whole"
-            self._cuts = [len(p.positions)]
-        elif p.shift is not None:
+        if p.shift is not None:
             row = {position: i for i, position in enumerate(p.positions)}
             inside: set[int] = set()
             for first, last in p.shift.whole():

@@ -54,7 +54,6 @@ class EngineStats:
     segment_inserted_tokens: int = 0
     segment_evictions: int = 0
     segment_entries: int = 0
-    segment_fills_dropped: int = 0
     segment_sampled_tokens: int = 0
     segment_contexts_dropped: int = 0
     segment_lead_tokens: int = 0
@@ -293,7 +292,6 @@ class AsyncEngine:
             segment_inserted_tokens=segments.inserted_tokens,
             segment_evictions=segments.evictions,
             segment_entries=len(engine.segment_store),
-            segment_fills_dropped=engine.store_work.fills_dropped,
             segment_sampled_tokens=segments.sampled_tokens,
             segment_contexts_dropped=engine.store_work.samples_dropped,
             segment_lead_tokens=segments.lead_tokens,

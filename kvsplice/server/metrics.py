@@ -178,11 +178,6 @@ class _EngineCollector(Collector):
         yield counter("kvsplice:segment_store_inserted_tokens", "Tokens stored", s.segment_inserted_tokens)
         yield counter("kvsplice:segment_store_evictions", "Segments evicted", s.segment_evictions)
         yield counter(
-            "kvsplice:segment_store_fills_dropped",
-            "Missed segments not stored: no memory to spare when their turn came",
-            s.segment_fills_dropped,
-        )
-        yield counter(
             "kvsplice:segment_store_context_tokens",
             "Tokens computed to give stored segments more contexts (segment_contexts), background work",
             s.segment_sampled_tokens,

@@ -2,7 +2,7 @@
 
 The engine fills a `KVFingerprint` once at start-up. Every entry carries it and every key is derived
 from it, so KV computed by another model, tokenizer, dtype, layout, RoPE, canonical context or way
-of making segment KV can never be found, let alone served.
+or number of contexts can never be found, let alone served.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import msgpack
 from kvsplice.errors import ConfigError
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
-# How a segment's stored KV is made (EngineConfig.segment_kv).
-SEGMENT_KV = ("prompt", "canonical")
 
 
 @dataclass(frozen=True)
@@ -40,9 +38,6 @@ class KVFingerprint:
     rope: str
     # The canonical context every segment is computed after (its KV depends on it).
     context_tokens: tuple[int, ...]
-    # How a segment's KV was made (EngineConfig.segment_kv): after the canonical context, or copied from
-    # the prompt that first carried it. The two differ for the same tokens, so they never share entries.
-    segment_kv: str
     # How many contexts a segment's KV is the mean over (EngineConfig.segment_contexts).
     segment_contexts: int
 
@@ -55,8 +50,6 @@ class KVFingerprint:
             raise ConfigError(
                 f"fingerprint segment_contexts must be an int >= 1, not {self.segment_contexts!r}"
             )
-        if self.segment_kv not in SEGMENT_KV:
-            raise ConfigError(f"fingerprint segment_kv must be one of {SEGMENT_KV}, not {self.segment_kv!r}")
         if not self.model_hash or not self.tokenizer_hash:
             raise ConfigError("fingerprint needs a model hash and a tokenizer hash")
 
