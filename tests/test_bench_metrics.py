@@ -32,6 +32,7 @@ from kvsplice.bench.systems import (
     parse_systems,
     prompt_parts,
 )
+from kvsplice.config import EngineConfig
 from kvsplice.prompt import Segment
 from kvsplice.repair.registry import POLICY_NAMES
 
@@ -191,12 +192,19 @@ def test_system_names_expand_without_pointless_duplicates() -> None:
         "splice:deviation@15",
     ]
     assert parse_systems(["splice:full"])[1].recompute_ratio == 1.0
-    default = [s.name for s in default_systems()]
-    assert default == [
-        "off", "hash", "radix", "splice:none@0", *(f"splice:{p}@15" for p in between), "splice:adaptive"
-    ]  # fmt: skip
-    assert {s.engine_key for s in default_systems()} == {"off", "hash", "radix", "splice"}
-    assert len({s.cache_salt for s in default_systems() if s.splices}) == 2 + len(between)
+    # By default the prefix caches and what the engine does: its repair policy at its budget.
+    engine = EngineConfig()
+    default = default_systems()
+    assert [s.name for s in default] == ["off", "hash", "radix", f"splice:{engine.repair}@15"]
+    assert default[-1].recompute_ratio == pytest.approx(engine.recompute_ratio)
+    assert {s.engine_key for s in default} == {"off", "hash", "radix", "splice"}
+    # The published baselines stay one name away.
+    assert [s.name for s in parse_systems(["splice:none,splice:boundary", "splice:deviation"])] == [
+        "off",
+        "splice:none@0",
+        "splice:boundary@15",
+        "splice:deviation@15",
+    ]
     sweep = parse_systems(["splice"], SWEEP_BUDGETS)
     assert len(sweep) == 1 + 3 + len(between) * 4
     # A shift suffix: the same policy and budget with the segment shift at that scale, a system of its own.

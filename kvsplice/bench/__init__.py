@@ -5,8 +5,9 @@
     print(write_report(result, Path("out/bench/rag")))
 
 Modules: workloads (rag, qa, fewshot), conversations (chat, agent) and recall generate requests; systems
-names what runs; runner runs and measures; metrics defines the measures, stats their confidence
-intervals and breakdown the view by setting and answer position; report and plots write them.
+names what runs; runner runs and measures; metrics defines the measures and their summaries (per
+system, turn, setting and answer position), stats their confidence intervals; report and plots write
+them. Analyses across recorded runs are scripts under bench/analyses/, outside the package.
 """
 
 from kvsplice.bench.base import BenchRequest, Doc, Workload, WorkloadSpec

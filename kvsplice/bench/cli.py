@@ -52,7 +52,8 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="off, hash, radix, splice (every policy and budget), splice:<policy>, "
         "splice:<policy>@<percent>; space- or comma-separated. off, the reference, always runs. "
-        f"Default: {' '.join(DEFAULT_SYSTEMS)}.",
+        f"Default: {' '.join(DEFAULT_SYSTEMS)} (the engine's repair policy); the published baselines "
+        "are splice:none, splice:boundary and splice:deviation.",
     )
     parser.add_argument(
         "--budgets",

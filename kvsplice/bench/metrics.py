@@ -1,5 +1,6 @@
 """What a bench run measures: per-request records, the fidelity of a system's output against the full
-prefill of the same request, and the per-system (and per-turn) summaries the report prints.
+prefill of the same request, and the summaries the report prints: per system, per turn, and per
+setting and answer position (recall) with confidence intervals.
 
 Definitions (docs/bench.md has the long form):
 - KL: KL(full || system) of the next-token distributions at the first generated position, in nats.
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvsplice.bench.stats import Interval, paired_difference, wilson
 from kvsplice.sampling import kl_divergence, top_margin
 
 if TYPE_CHECKING:
@@ -38,6 +40,9 @@ KL_CLOSE = 0.05
 # recall evaluation (Gemma 3, 8 documents, 200 requests) a third of the full prefills lead by less than
 # 0.1, and 25 of the 29 first tokens lead@15 answered differently were where it led by less than 0.2.
 SURE_MARGIN = 0.2
+# A group over every answer position (or every setting).
+ALL = "all"
+POSITIONS = ("first", "middle", "last")
 
 
 @dataclass
@@ -84,7 +89,7 @@ class RequestRecord:
     # its answer; top-1 agreement is also reported where it is at least SURE_MARGIN.
     reference_margin: float | None = None
     # The system's own margin there: what a system could gate a fallback on, since it knows its own
-    # logits but not the full prefill's (kvsplice.bench.gate).
+    # logits but not the full prefill's (bench/analyses/gate.py).
     margin: float | None = None
     same_continuation: bool | None = None
     # Leading tokens of the greedy continuation equal to the full prefill's.
@@ -159,6 +164,33 @@ class TurnSummary:
     ttft_p50_s: float | None = None
     computed_mean: float | None = None
     reused_mean: float | None = None
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """One system over the measured requests of one setting and answer position. Accuracy carries its
+    Wilson interval, and its paired difference from the full prefill on the same requests Newcombe's,
+    which says whether a system loses accuracy, not only how much it seems to."""
+
+    setting: str
+    answer_position: str
+    system: str
+    requests: int
+    failed: int
+    # Accuracy with its 95% Wilson interval, over the requests the system completed.
+    accuracy: Interval | None = None
+    # The system's accuracy minus the full prefill's on the requests both completed (95% interval).
+    accuracy_diff: Interval | None = None
+    kl_mean: float | None = None
+    # Share of the compared requests whose KL is at most KL_CLOSE.
+    close_rate: float | None = None
+    top1_rate: float | None = None
+    # Top-1 agreement where the full prefill was sure of its first token (SURE_MARGIN), and over how
+    # many requests.
+    top1_sure_rate: float | None = None
+    sure: int = 0
+    # Mean leading tokens of the continuation equal to the full prefill's.
+    matched_mean: float | None = None
 
 
 # -- fidelity ------------------------------------------------------------------------------------------
@@ -328,3 +360,62 @@ def per_turn(records: Sequence[RequestRecord], systems: Sequence[str]) -> list[T
                 )
             )
     return rows
+
+
+def settings(records: Sequence[RequestRecord]) -> list[str]:
+    """The settings of the measured records, in the order the run met them."""
+    return list(dict.fromkeys(r.setting for r in records if r.setting and not r.warmup))
+
+
+def by_group(records: Sequence[RequestRecord], systems: Sequence[str]) -> list[GroupSummary]:
+    """Rows per setting (and over all settings when there are several), each for all positions and
+    then for each position, a row per system; systems[0] is the reference."""
+    measured = [r for r in records if r.setting and not r.warmup]
+    names = settings(measured)
+    groups = [*names, ALL] if len(names) > 1 else names
+    present = [p for p in POSITIONS if any(r.answer_position == p for r in measured)]
+    rows = []
+    for setting in groups:
+        for position in (ALL, *present):
+            cell = [
+                r for r in measured if setting in (ALL, r.setting) and position in (ALL, r.answer_position)
+            ]
+            reference = {r.request_id: r for r in cell if r.system == systems[0] and r.ok}
+            for system in systems:
+                rows.append(
+                    _group(setting, position, system, [r for r in cell if r.system == system], reference)
+                )
+    return rows
+
+
+def _group(
+    setting: str,
+    position: str,
+    system: str,
+    records: list[RequestRecord],
+    reference: dict[str, RequestRecord],
+) -> GroupSummary:
+    ok = [r for r in records if r.ok]
+    judged = [r.correct for r in ok if r.correct is not None]
+    pairs = []
+    for r in ok:
+        ref = reference.get(r.request_id)
+        if r.correct is not None and ref is not None and ref.correct is not None:
+            pairs.append((r.correct, ref.correct))
+    kls = [r.kl for r in ok if r.kl is not None]
+    top1_sure, sure = sure_top1(ok)
+    return GroupSummary(
+        setting=setting,
+        answer_position=position,
+        system=system,
+        requests=len(records),
+        failed=len(records) - len(ok),
+        accuracy=wilson(sum(judged), len(judged)),
+        accuracy_diff=paired_difference(pairs),
+        kl_mean=_mean(kls),
+        close_rate=close_rate(kls),
+        top1_rate=_rate(r.top1 for r in ok),
+        top1_sure_rate=top1_sure,
+        sure=sure,
+        matched_mean=_mean([r.matched_tokens for r in ok if r.matched_tokens is not None]),
+    )

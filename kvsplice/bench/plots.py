@@ -12,8 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
-from kvsplice.bench.breakdown import ALL, by_group, settings
-from kvsplice.bench.metrics import SystemSummary
+from kvsplice.bench.metrics import ALL, SystemSummary, by_group, settings
 from kvsplice.bench.results import BenchResult
 from kvsplice.bench.systems import name_parts
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from kvsplice.bench.breakdown import ALL, GroupSummary, by_group
-from kvsplice.bench.metrics import KL_CLOSE, SURE_MARGIN, SystemSummary, TurnSummary
+from kvsplice.bench.metrics import (
+    ALL,
+    KL_CLOSE,
+    SURE_MARGIN,
+    GroupSummary,
+    SystemSummary,
+    TurnSummary,
+    by_group,
+)
 from kvsplice.bench.results import BenchResult
 from kvsplice.bench.stats import Interval
 
@@ -271,19 +278,6 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
             "",
             BREAKDOWN_LEGEND.format(reference=r.systems[0], sure=SURE_MARGIN),
         ]
-    # Imported here: `python -m kvsplice.bench.headroom` (and .gate) must not find it imported by the
-    # package.
-    from kvsplice.bench import gate, headroom
-
-    costs = headroom.headroom(r.records, r.systems[0])
-    gated = gate.gates(r.records, r.systems[0])
-    sections = [
-        ("What the fidelity targets would cost", headroom.table(costs) if costs else "", headroom.legend()),
-        ("A fallback gated on the system's own confidence", gate.table(gated) if gated else "", gate.LEGEND),
-    ]
-    for title, table, legend in sections:
-        if table:
-            lines += ["", f"## {title}", "", table, "", legend]
     failures = Counter((x.system, x.error) for x in r.records if x.error is not None)
     if failures:
         lines += ["", "## Failures", ""]

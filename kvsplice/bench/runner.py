@@ -32,7 +32,6 @@ from tqdm import tqdm
 from kvsplice.bench.base import BenchRequest, Workload, WorkloadSpec
 from kvsplice.bench.metrics import RequestRecord, compare, is_correct, per_turn, summarize
 from kvsplice.bench.results import BenchResult, MachineInfo, ModelInfo, load_average
-from kvsplice.bench.store_notes import store_notes
 from kvsplice.bench.systems import (
     DEFAULT_BUDGETS,
     REFERENCE,
@@ -317,10 +316,44 @@ class _Run:
             )
 
     def note_store(self, records: list[RequestRecord]) -> None:
-        """What the shared splice engine's segment store evicted and what its background work cost."""
+        """What the shared splice engine's segment store evicted and what its background work (more
+        contexts per segment, lead KV) cost, warm-ups included: that work runs after the requests that
+        bring a segment, often unmeasured warm-ups, so no request's record shows it."""
         splice = self.engines.get(SPLICE_ENGINE)
-        if splice is not None and splice.llm is not None:
-            self.notes += store_notes(splice.llm.engine, self.config.engine, records)
+        if splice is None or splice.llm is None:
+            return
+        config = self.config.engine
+        stats, work = splice.llm.engine.segment_store.stats, splice.llm.engine.store_work
+        prompts = max(1, sum(r.prompt_tokens for r in records if not r.warmup))
+        if stats.evictions:
+            self.notes.append(f"the shared splice engine's segment store evicted {stats.evictions} entries")
+        if stats.lead_evictions:
+            self.notes.append(
+                f"the shared splice engine's segment store dropped the lead KV of {stats.lead_evictions} "
+                "entries it kept"
+            )
+        if config.segment_contexts > 1:
+            self.notes.append(
+                f"segment_contexts={config.segment_contexts}: the segment store computed "
+                f"{stats.sampled_tokens:,} tokens to give segments more contexts, "
+                f"{stats.sampled_tokens / prompts:.0%} of the measured requests' prompt tokens; "
+                f"{work.samples_dropped} contexts dropped"
+            )
+        if config.segment_lead_kv and stats.lead_tokens:
+            self.notes.append(
+                f"segment_lead_kv: the segment store computed {stats.lead_tokens:,} tokens for segments' KV "
+                f"at a prompt's start ({stats.lead_tokens / prompts:.0%} of the measured requests' prompt "
+                f"tokens) and spliced {stats.lead_hit_tokens:,} tokens from it; {work.leads_dropped} dropped"
+            )
+            measured = [r for r in records if not r.warmup and r.segment_hit_tokens]
+            if measured:
+                exact = sum(r.segment_lead_tokens for r in measured) / sum(
+                    r.segment_hit_tokens for r in measured
+                )
+                self.notes.append(
+                    f"segment_lead_kv: {exact:.0%} of the measured requests' segment tokens were spliced "
+                    "from lead KV computed after the same prompt head (a full prefill's KV, left unrepaired)"
+                )
 
 
 def split_pools(need: dict[str, int], floor: dict[str, int], cap: int) -> dict[str, int]:

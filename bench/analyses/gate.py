@@ -13,9 +13,9 @@ would give, without running it.
 A threshold chosen on a run and replayed on the same run is tuned on it; `--threshold` replays a
 threshold chosen elsewhere (another seed) as a held-out check.
 
-    python -m kvsplice.bench.gate DIR [DIR ...]                  the least θ per target, per run
-    python -m kvsplice.bench.gate DIR [DIR ...] --threshold 0.03  that θ replayed on each run
-    python -m kvsplice.bench.gate DIR [DIR ...] --pool            the runs' requests together
+    python bench/analyses/gate.py DIR [DIR ...]                  the least θ per target, per run
+    python bench/analyses/gate.py DIR [DIR ...] --threshold 0.03  that θ replayed on each run
+    python bench/analyses/gate.py DIR [DIR ...] --pool            the runs' requests together
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvsplice.bench.headroom import Pair, Targets, paired
+from headroom import Pair, Targets, paired  # bench/analyses/ is on the path
+
 from kvsplice.bench.metrics import RequestRecord
 from kvsplice.bench.results import BenchResult
 
@@ -163,7 +164,7 @@ LEGEND = (
     "A gate prefills in full, after the spliced attempt, every request whose own first-token margin "
     "(top probability minus the runner-up's) is below θ; those requests get the full prefill's result "
     "and cost both prefills. θ is the least that meets the target on this run, so it is tuned on it "
-    "(kvsplice/bench/gate.py; `--threshold` replays one chosen elsewhere)."
+    "(bench/analyses/gate.py; `--threshold` replays one chosen elsewhere)."
 )
 
 
@@ -175,7 +176,7 @@ def _pooled(results: Sequence[BenchResult]) -> list[RequestRecord]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvsplice.bench.gate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python bench/analyses/gate.py", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories, each with a results.json")
     parser.add_argument("--threshold", type=float, help="replay this θ instead of finding the least")
     parser.add_argument("--pool", action="store_true", help="the runs' requests together (one reference)")

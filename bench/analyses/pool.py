@@ -1,7 +1,7 @@
 """One system's fidelity pooled over bench runs of other requests (other seeds).
 
-    python -m kvsplice.bench.pool DIR [DIR ...] --system splice:lead@15
-    python -m kvsplice.bench.pool DIR DIR=splice:lead@15 --system splice:lead@15+shift0.5
+    python bench/analyses/pool.py DIR [DIR ...] --system splice:lead@15
+    python bench/analyses/pool.py DIR DIR=splice:lead@15 --system splice:lead@15+shift0.5
 
 A run of 100 requests measures an accuracy difference to about ±5 points; the fidelity targets ask
 about one. Runs of one workload on other seeds measure other requests, so their paired outcomes pool:
@@ -178,7 +178,7 @@ def table(rows: Sequence[Pooled], system: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvsplice.bench.pool", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python bench/analyses/pool.py", description=__doc__.split("\n")[0])
     parser.add_argument(
         "runs",
         nargs="+",

@@ -1,6 +1,6 @@
 """The quality-vs-FLOPs frontier of the repair policies across bench runs, one column per model.
 
-    python -m kvsplice.bench.frontier DIR [DIR ...] --out bench/results/fidelity_frontier.png
+    python bench/analyses/frontier.py DIR [DIR ...] --out bench/results/fidelity_frontier.png
 
 Each DIR holds a run's results.json. The runs of one model must have measured the same requests (the
 same workload and sizes), or their points would not compare; a system in several runs of a model is
@@ -153,7 +153,7 @@ def table(by_model: dict[str, list[Point]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m kvsplice.bench.frontier", description=__doc__.split("\n")[0]
+        prog="python bench/analyses/frontier.py", description=__doc__.split("\n")[0]
     )
     parser.add_argument("runs", nargs="+", type=Path, help="run directories, each with a results.json")
     parser.add_argument("--out", type=Path, required=True, help="the PNG to write")

@@ -14,7 +14,7 @@ So a row here says: with this repair, no splice-then-fall-back policy, however w
 the targets for less than this share of the full prefill's FLOPs. A repair that needs more than the
 budget (20%) here cannot be rescued by an adaptive fallback; it has to be better.
 
-    python -m kvsplice.bench.headroom DIR [DIR ...]   prints the table for recorded runs
+    python bench/analyses/headroom.py DIR [DIR ...]   prints the table for recorded runs
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsplice.bench.breakdown import settings
-from kvsplice.bench.metrics import KL_CLOSE, RequestRecord
+from kvsplice.bench.metrics import KL_CLOSE, RequestRecord, settings
 from kvsplice.bench.results import BenchResult
 
 Pair = tuple[RequestRecord, RequestRecord]
@@ -150,7 +149,7 @@ LEGEND = (
     "{top1:.0%}, accuracy at most {drop:g} point below it. The last two columns bound any policy that "
     "splices as this system does and prefills the requests it would get wrong in full, even one told in "
     "advance which they are: it needs at least that many full prefills and that share of the full "
-    "prefill's FLOPs (the largest of the three targets' own bounds; kvsplice/bench/headroom.py)."
+    "prefill's FLOPs (the largest of the three targets' own bounds; bench/analyses/headroom.py)."
 )
 
 
@@ -162,7 +161,7 @@ def legend(targets: Targets = Targets()) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m kvsplice.bench.headroom", description=__doc__.split("\n")[0]
+        prog="python bench/analyses/headroom.py", description=__doc__.split("\n")[0]
     )
     parser.add_argument("runs", nargs="+", type=Path, help="run directories, each with a results.json")
     args = parser.parse_args(argv)
