@@ -179,13 +179,9 @@ def test_system_names_expand_without_pointless_duplicates() -> None:
         "splice:adaptive",
         "splice:full@100",
     ]
-    # The adaptive policy's number is its quality target (a KL), not a budget.
-    adaptive = parse_systems(["splice:adaptive@0.02"])[1]
-    assert (
-        adaptive.target == 0.02
-        and adaptive.recompute_ratio is None
-        and adaptive.name == "splice:adaptive@0.02"
-    )
+    # The adaptive policy stops at a quality target: it takes no budget.
+    adaptive = parse_systems(["splice:adaptive"])[1]
+    assert adaptive.recompute_ratio is None and adaptive.name == "splice:adaptive"
     assert {"boundary", "deviation"} <= set(between)
     assert [s.name for s in parse_systems(["splice:deviation@15", "splice:deviation@15.0"])] == [
         "off",
@@ -207,20 +203,17 @@ def test_system_names_expand_without_pointless_duplicates() -> None:
     ]
     sweep = parse_systems(["splice"], SWEEP_BUDGETS)
     assert len(sweep) == 1 + 3 + len(between) * 4
-    # A shift suffix: the same policy and budget with the segment shift at that scale, a system of its own.
-    plain, shifted = parse_systems(["splice:lead@15", "splice:lead@15+shift0.5"])[1:]
-    assert plain.shift is None and (shifted.shift, shifted.recompute_ratio) == (0.5, 0.15)
-    assert shifted.name == "splice:lead@15+shift0.5" and shifted.cache_salt != plain.cache_salt
-    # +shift0 turns off a family's default shift (None would take the engine's).
-    (off_shift,) = parse_systems(["splice:lead@15+shift0"])[1:]
-    assert off_shift.shift == 0.0 and off_shift.name == "splice:lead@15+shift0"
-    assert name_parts("splice:lead@15+shift0.5/plain") == ("lead", "15", "+shift0.5/plain")
-    # A fallback margin, alone or with a shift: each suffix sets its own field.
-    gated, both = parse_systems(["splice:lead@15+fallback0.03", "splice:lead@15+shift0+fallback0.05"])[1:]
-    assert (gated.fallback_margin, gated.shift, gated.name) == (0.03, None, "splice:lead@15+fallback0.03")
-    assert (both.fallback_margin, both.shift) == (0.05, 0.0) and plain.fallback_margin is None
+    # A fallback margin suffix: the same policy and budget, a system of its own.
+    plain, gated = parse_systems(["splice:lead@15", "splice:lead@15+fallback0.03"])[1:]
+    assert (gated.fallback_margin, gated.recompute_ratio, gated.name) == (
+        0.03,
+        0.15,
+        "splice:lead@15+fallback0.03",
+    )
+    assert plain.fallback_margin is None and gated.cache_salt != plain.cache_salt
+    assert name_parts("splice:lead@15+fallback0.03/plain") == ("lead", "15", "+fallback0.03/plain")
     assert name_parts("splice:adaptive") == ("adaptive", "", "") and name_parts("radix") == ("radix", "", "")
-    bad_names = ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150", "splice:adaptive@-1")
+    bad_names = ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150", "splice:adaptive@0.02")
     bad_suffixes = (
         "radix+fallback0.1",
         "splice:lead@15+fallback2",
@@ -230,9 +223,8 @@ def test_system_names_expand_without_pointless_duplicates() -> None:
     for bad in (
         *bad_names,
         *bad_suffixes,
-        "radix+shift0.5",
-        "splice:lead@15+shift2",
-        "splice:lead@15+shift0+shift1",
+        "splice:lead@15+shift0.5",
+        "splice:lead@15+fallback0+fallback0.1",
     ):
         with pytest.raises(ValueError):
             parse_systems([bad])

@@ -13,6 +13,7 @@ from kvsplice.bench.systems import default_systems
 from kvsplice.cli import main
 from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine
+from kvsplice.reuse import store_fill
 from tests import tiny_models
 
 SMALL = WorkloadSpec(requests=2, docs=3, pool=4, turns=3, doc_words=40)
@@ -196,26 +197,26 @@ def test_a_run_after_a_restart_loads_the_documents_from_the_disk_tier(tiny_dir: 
 
 
 def _store_engine(model: Path, store: Path) -> EngineConfig:
-    return EngineConfig(model=str(model), num_threads=1, store_dir=str(store))
+    return EngineConfig(model=str(model), num_threads=1, store={"store_dir": str(store)})
 
 
-def test_extra_segment_contexts_are_noted_with_their_cost(tiny_dir: Path) -> None:
+def test_extra_segment_contexts_are_noted_with_their_cost(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The note says what the extra contexts cost. The tiny model has no tokenizer, so no canonical
     context to vary: no context is computed (the default model's: tests/test_segment_contexts.py)."""
-    engine = EngineConfig(model=str(tiny_dir), num_threads=1, segment_contexts=3)
+    engine = EngineConfig(model=str(tiny_dir), num_threads=1)
+    monkeypatch.setattr(store_fill, "CONTEXTS", 3)
     result = run_bench(_config("rag", tiny_dir, systems=("splice:lead@15",), engine=engine))
     assert all(r.ok for r in result.records)
     note = next(n for n in result.notes if n.startswith("segment_contexts=3"))
     assert " 0 tokens" in note and "0% of the measured" in note and "0 contexts dropped" in note
-    engine = EngineConfig(model=str(tiny_dir), num_threads=1, segment_contexts=1)
+    monkeypatch.setattr(store_fill, "CONTEXTS", 1)
     plain = run_bench(_config("rag", tiny_dir, systems=("splice:lead@15",), engine=engine))
     assert not any(n.startswith("segment_contexts") for n in plain.notes)
 
 
-def test_the_model_familys_segment_shift_is_noted_for_systems_without_a_suffix(tiny_dir: Path) -> None:
-    """A Gemma 3 engine repairs with the segment shift unless a system says otherwise; the report says
-    so, and says nothing where every system sets its own shift."""
+def test_the_model_familys_segment_shift_is_noted(tiny_dir: Path) -> None:
+    """A Gemma 3 engine repairs with the segment shift: the report says so."""
     default = run_bench(_config("rag", tiny_dir, systems=("splice:lead@15",)))
     assert any("segment shift at 0.5" in n for n in default.notes)
-    own = run_bench(_config("rag", tiny_dir, systems=("splice:lead@15+shift0",)))
-    assert all(r.ok for r in own.records) and not any("segment shift" in n for n in own.notes)

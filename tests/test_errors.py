@@ -44,7 +44,7 @@ def test_not_a_model_file(tmp_path: Path) -> None:
         {"prefix_cache": "lru"},
         {"repair": "magic"},
         {"recompute_ratio": 1.5},
-        {"repair_shift": -0.1},
+        {"store": {"store_dir": ""}},
         {"repair_fallback_margin": 1.5},
         {"block_size": 0},
         {"kv_cache_gb": -1},

@@ -307,6 +307,25 @@ def test_segment_keys_tell_markup_and_settings_apart() -> None:
     assert keys.generated(6, "recency@15") == a[5]
 
 
+def test_segment_keys_remember_a_bounded_number_of_settings() -> None:
+    from kvsplice.cache.segment_keys import MAX_SETTINGS, SegmentKeys
+    from kvsplice.prompt import ParsedPrompt, SegmentSpan
+
+    keys = SegmentKeys(vocab_size=100)
+    prompt = ParsedPrompt((5, 6, 7, 8), (SegmentSpan(1, 3),))
+    first = keys(prompt, "ratio 0", 1)
+    seen = {tuple(first)}
+    for i in range(1, 1000):
+        seen.add(tuple(keys(prompt, f"ratio {i}", 1)))
+        assert keys.num_settings <= MAX_SETTINGS
+    # Every setting had keys of its own, and the first, forgotten, gets new ones: never another's.
+    assert len(seen) == 1000
+    again = keys(prompt, "ratio 0", 1)
+    assert again != first and tuple(again) not in seen and again[0] == 5
+    # Recently used settings are kept: their keys stay the same.
+    assert keys(prompt, "ratio 999", 1) == keys(prompt, "ratio 999", 1)
+
+
 def test_segment_keys_start_where_the_first_span_is_found() -> None:
     from kvsplice.cache.segment_keys import SegmentKeys
     from kvsplice.prompt import ParsedPrompt, SegmentSpan
@@ -327,18 +346,15 @@ def test_segment_keys_start_where_the_first_span_is_found() -> None:
 
     # Nothing spliced or an exact repair: plain ids.
     assert keys.choose(ParsedPrompt(tuple(ids)), "s", True, peek).approximate_from is None
-    assert keys.choose(prompt, "s", False, peek, lambda hit: 4).approximate_from is None
-    # A span found before the first marked segment: segment keys start there, at its plain prefix hit.
+    assert keys.choose(prompt, "s", False, peek, 4).approximate_from is None
+    # A span found before the first marked segment (after the plain prefix hit): segment keys start there.
     cached.append(ids[:3])
-    seen = []
-    chosen = keys.choose(prompt, "s", True, peek, lambda hit: seen.append(hit) or 4)
-    assert (
-        seen == [3]
-        and chosen.approximate_from == 4
-        and chosen.ids[:4] == ids[:4]
-        and min(chosen.ids[4:]) >= 100
-    )
+    chosen = keys.choose(prompt, "s", True, peek, 4)
+    assert chosen.approximate_from == 4 and chosen.ids[:4] == ids[:4] and min(chosen.ids[4:]) >= 100
     assert keys.choose(prompt, "s", True, peek).approximate_from == 12
+    # Spans are found after the plain prefix hit, never inside it.
+    with pytest.raises(AssertionError, match="after the plain prefix hit"):
+        keys.choose(prompt, "s", True, peek, 2)
     # A plain prefix that runs past the first spliced position wins.
     cached.append(ids[:15])
-    assert keys.choose(prompt, "s", True, peek, lambda hit: None).approximate_from is None
+    assert keys.choose(prompt, "s", True, peek, None).approximate_from is None

@@ -11,11 +11,10 @@ import torch
 
 from kvsplice import LLM, SamplingParams, Segment
 from kvsplice.cache.segments import SegmentStore
-from kvsplice.config import EngineConfig
-from kvsplice.errors import ConfigError
 from kvsplice.kv import rope
 from kvsplice.kv.allocator import BlockAllocator
 from kvsplice.prompt import parse_prompt
+from kvsplice.reuse import store_fill
 from kvsplice.reuse.store_fill import ContextPiece, sample_context
 
 DOCS = [
@@ -66,8 +65,9 @@ def _stored(llm: LLM, tokens: tuple[int, ...]) -> tuple[int, torch.Tensor, torch
 
 
 @pytest.mark.slow
-def test_stored_kv_is_the_mean_over_its_contexts(default_model_dir) -> None:
-    llm = LLM(prefix_cache="off", auto_segments=False, repair="none", segment_contexts=3, kv_cache_gb=0.3)
+def test_stored_kv_is_the_mean_over_its_contexts(default_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_fill, "CONTEXTS", 3)
+    llm = LLM(prefix_cache="off", auto_segments=False, repair="none", kv_cache_gb=0.3)
     engine, store = llm.engine, llm.engine.segment_store
     context = store.context
     engine.add_request(_prompt(0), ONE)
@@ -172,18 +172,16 @@ def test_with_few_other_segments_the_canonical_context_starts_it() -> None:
 
 
 @pytest.mark.parametrize(
-    "window, positions, requested, expected",
+    "window, positions, expected",
     [
-        (None, 32768, None, 1024),  # no sliding window (SmolLM2): the default
-        (512, 32768, None, 1024),  # Gemma 3: its window + 64 is less
-        (4096, 32768, None, 4160),  # a long window: a full window of context, and 64 more
-        (None, 1024, None, 512),  # at most half the model's positions
-        (None, 32768, 100, 112),  # asked for: rounded up to whole blocks
+        (None, 32768, 1024),  # no sliding window (SmolLM2)
+        (512, 32768, 1024),  # Gemma 3: its window + 64 is less
+        (4096, 32768, 4160),  # a long window: a full window of context, and 64 more
+        (4100, 32768, 4176),  # rounded up to whole blocks
+        (None, 1024, 512),  # at most half the model's positions
     ],
 )
-def test_canonical_context_length(
-    window: int | None, positions: int, requested: int | None, expected: int
-) -> None:
+def test_canonical_context_length(window: int | None, positions: int, expected: int) -> None:
     from kvsplice.cache.segments import canonical_context_length
     from kvsplice.model_config import ModelConfig
     from tests.tiny_models import COMMON
@@ -198,20 +196,15 @@ def test_canonical_context_length(
         }
     )
     assert cfg.sliding_window == window
-    assert canonical_context_length(cfg, 16, requested) == expected
-
-
-def test_segment_contexts_must_be_positive() -> None:
-    with pytest.raises(ConfigError, match="segment_contexts"):
-        EngineConfig(segment_contexts=0)
+    assert canonical_context_length(cfg, 16) == expected
 
 
 @pytest.mark.slow
 def test_closing_before_the_contexts_still_writes_the_segment(default_model_dir, tmp_path) -> None:
     """A segment goes to the tiers below once its last context is folded in; closed before that, it
     goes with the contexts it has, rather than never."""
-    llm = LLM(prefix_cache="off", auto_segments=False, store_dir=str(tmp_path), kv_cache_gb=0.3)
-    assert llm.engine.config.segment_contexts == 4
+    llm = LLM(prefix_cache="off", auto_segments=False, store={"store_dir": str(tmp_path)}, kv_cache_gb=0.3)
+    assert store_fill.CONTEXTS == 4
     llm.generate([_prompt(0)], ONE)
     assert llm.engine.store_work.busy
     llm.close()

@@ -1,4 +1,4 @@
-"""Lead KV (EngineConfig.segment_lead_kv): each stored segment's KV computed at a prompt's start, spliced
+"""Lead KV (reuse/store_fill.LEAD_KV): each stored segment's KV computed at a prompt's start, spliced
 where a prompt starts with the segment. On the default model, against plain prefills; without a model,
 the store gives the lead blocks back with the entry."""
 
@@ -10,6 +10,7 @@ import torch
 from kvsplice import LLM, RequestOptions, SamplingParams, Segment
 from kvsplice.cache.segments import SegmentEntry, SegmentStore
 from kvsplice.kv.allocator import BlockAllocator
+from kvsplice.reuse import store_fill
 from kvsplice.reuse.prefill import LEAD_HEAD_TOKENS
 
 DOC_A = (
@@ -27,7 +28,7 @@ PARAMS = SamplingParams(max_tokens=4, temperature=0.0, return_first_logits=True)
 LONG_HEAD = "Read the documents below with care, then answer the question that follows them. " * 6
 
 
-def _warm(**config) -> LLM:
+def _warm(**config: object) -> LLM:
     """An engine whose store holds both documents, stored from a prompt that starts with HEAD, then
     DOC_B: DOC_A's stored KV saw DOC_B before it."""
     llm = LLM(prefix_cache="radix", auto_segments=False, repair="none", kv_cache_gb=0.5, **config)
@@ -87,7 +88,9 @@ def test_a_prompt_that_starts_with_a_segment_is_spliced_exactly(lead: LLM, llm: 
     assert store.stats.lead_hit_tokens > before + got.metrics.segment_hit_tokens
     # Spliced from lead KV, but not a full prefill's: not counted as exact.
     assert other_head.metrics.segment_hit_tokens > 0 and other_head.metrics.segment_lead_tokens == 0
-    without = _warm(segment_lead_kv=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(store_fill, "LEAD_KV", False)
+        without = _warm()
     assert not any(e.lead_blocks for e in without.engine.segment_store._entries.values())
     mean_kv = _kl(full, without.generate([prompt], PARAMS)[0].first_logits)
     assert with_lead < mean_kv / 2, (with_lead, mean_kv)
@@ -201,10 +204,16 @@ def test_prompts_admitted_together_queue_one_lead_fill(default_model_dir) -> Non
 @pytest.mark.slow
 def test_a_segment_promoted_from_disk_gets_its_lead_kv(default_model_dir, tmp_path, llm: LLM) -> None:
     store_dir = str(tmp_path / "store")
-    first = _warm(store_dir=store_dir)
+    first = _warm(store={"store_dir": store_dir})
     first.close()
     # The tiers below hold the mean KV only: a fresh engine computes the lead KV after the promotion.
-    fresh = LLM(prefix_cache="off", auto_segments=False, repair="none", kv_cache_gb=0.5, store_dir=store_dir)
+    fresh = LLM(
+        prefix_cache="off",
+        auto_segments=False,
+        repair="none",
+        kv_cache_gb=0.5,
+        store={"store_dir": store_dir},
+    )
     promoted = fresh.generate([[Segment(DOC_A), QUESTION]], PARAMS)[0]
     assert promoted.metrics.store_hit_tokens == {"disk": promoted.metrics.segment_hit_tokens}
     assert fresh.engine.segment_store.stats.lead_hit_tokens == 0

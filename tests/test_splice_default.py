@@ -8,6 +8,7 @@ import torch
 
 from kvsplice import LLM, SamplingParams, Segment
 from kvsplice.options import RequestOptions
+from kvsplice.repair import adaptive
 
 pytestmark = pytest.mark.slow
 
@@ -74,11 +75,17 @@ def test_repair_brings_the_answer_distribution_closer(spliced: LLM, llm: LLM) ->
     assert kl["full"] < 1e-4 < kl["lead"] < kl["none"], kl
 
 
-def test_adaptive_repair_at_target_zero_falls_back_to_the_full_prefill(spliced: LLM, llm: LLM) -> None:
+def test_adaptive_repair_at_target_zero_falls_back_to_the_full_prefill(
+    spliced: LLM, llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A target no estimate can meet: the rounds run out at half the reused tokens, then every reused
     token is recomputed at once, which is a full prefill."""
     order = [2, 1, 0]
-    got = spliced.generate([_prompt(order)], PARAMS, RequestOptions(repair="adaptive", repair_target=0.0))[0]
+    monkeypatch.setattr(adaptive, "TARGET", 0.0)
+    # adaptive takes no budget: a ratio of its own only keys this test's requests apart from the
+    # others', so that none takes another's spliced KV as its prefix.
+    options = RequestOptions(repair="adaptive", recompute_ratio=0.91)
+    got = spliced.generate([_prompt(order)], PARAMS, options)[0]
     want = llm.generate([_prompt(order, segments=False)], PARAMS)[0]
     assert got.metrics.segment_hit_tokens > 0
     assert got.metrics.recomputed_tokens == got.metrics.segment_hit_tokens
@@ -120,14 +127,15 @@ def test_a_near_tie_after_repair_falls_back_to_the_full_prefill(spliced: LLM, ll
     assert torn.token_ids == want.token_ids
 
 
-def test_adaptive_repair_spends_by_its_target(spliced: LLM) -> None:
+def test_adaptive_repair_spends_by_its_target(spliced: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     order = [0, 2, 1]
-    spent = {
-        target: spliced.generate(
-            [_prompt(order)], PARAMS, RequestOptions(repair="adaptive", repair_target=target)
-        )[0].metrics
-        for target in (1e9, 0.0)
-    }
+    spent = {}
+    for target, ratio in ((1e9, 0.92), (0.0, 0.93)):
+        monkeypatch.setattr(adaptive, "TARGET", target)
+        # A ratio each (adaptive takes no budget): the same settings would take the first request's
+        # spliced KV as the second's prefix.
+        options = RequestOptions(repair="adaptive", recompute_ratio=ratio)
+        spent[target] = spliced.generate([_prompt(order)], PARAMS, options)[0].metrics
     loose, strict = spent[1e9], spent[0.0]
     # A target every estimate meets stops after the first round: 15 % of the reused tokens, rounded up.
     assert loose.recomputed_tokens == -(-loose.segment_hit_tokens * 15 // 100)

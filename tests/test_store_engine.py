@@ -20,6 +20,7 @@ from kvsplice.errors import ConfigError
 from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.store import router_block_hashes, segment_hash
+from kvsplice.store.config import StoreConfig
 from tests import tiny_models
 from tests.test_store_events import decode_batch
 from tests.test_store_support import RedisServer
@@ -60,20 +61,33 @@ def assert_same_output(got: RequestOutput, want: RequestOutput) -> None:
 @pytest.mark.parametrize(
     "fields",
     [
-        {"store_url": "http://localhost:6379"},
-        {"store_dir": ""},
-        {"store_disk_gb": 0},
-        {"store_ttl_s": 0},
-        {"store_dtype": "float64"},
-        {"store_timeout_s": 0},
-        {"store_breaker_failures": 0},
-        {"kv_events_endpoint": "localhost:5557"},
-        {"kv_events_replay_endpoint": "tcp://*:5558"},
+        {"store": {"store_url": "http://localhost:6379"}},
+        {"store": {"store_dir": ""}},
+        {"store": {"store_dir": "/tmp/s", "store_disk_gb": 0}},
+        {"store": {"store_url": "redis://h:1/0", "store_ttl_s": 0}},
+        {"store": {"store_dir": "/tmp/s", "store_dtype": "float64"}},
+        {"store": {"store_url": "redis://h:1/0", "store_timeout_s": 0}},
+        {"store": {"store_url": "redis://h:1/0", "store_breaker_failures": 0}},
+        {"store": {"store_ttl_s": 60}},
+        {"store": {"store_dir": "/tmp/s", "no_such_field": 1}},
+        {"store": "/tmp/s"},
+        {"kv_events": {"endpoint": "localhost:5557"}},
+        {"kv_events": {"replay_endpoint": "tcp://*:5558", "endpoint": "http://x"}},
+        {"kv_events": 5557},
     ],
 )
 def test_bad_store_and_event_settings_are_config_errors(fields: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_a_store_flag_without_a_tier_is_an_error() -> None:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_args(parser)
+    with pytest.raises(ConfigError, match="--store-ttl-s need --store-dir or --store-url"):
+        EngineConfig.from_args(parser.parse_args(["--store-ttl-s", "60"]))
+    with pytest.raises(ConfigError, match="--kv-events-topic need --kv-events-endpoint"):
+        EngineConfig.from_args(parser.parse_args(["--kv-events-topic", "kv@a@b"]))
 
 
 def test_the_flags_build_the_store_config() -> None:
@@ -82,31 +96,37 @@ def test_the_flags_build_the_store_config() -> None:
     flags = ["--store-dir", "/tmp/s", "--store-disk-gb", "0.5", "--store-url", "redis://h:1/0"]
     flags += ["--store-ttl-s", "60", "--store-dtype", "float16", "--store-breaker-failures", "5"]
     config = EngineConfig.from_args(parser.parse_args(flags))
-    store = config.store_config()
+    store = config.store
+    assert store is not None
     assert (store.store_dir, store.store_dir_bytes, store.store_url, store.store_ttl_s) == (
         "/tmp/s", 2**29, "redis://h:1/0", 60,
     )  # fmt: skip
     assert (store.store_dtype, store.store_breaker_failures, store.store_timeout_s) == ("float16", 5, 0.25)
-    assert config.kv_events_config() is None
+    assert config.kv_events is None
+    assert EngineConfig.from_args(parser.parse_args([])).store is None
+    events = EngineConfig.from_args(parser.parse_args(["--kv-events-endpoint", "tcp://*:5599"])).kv_events
+    assert events is not None and (events.endpoint, events.topic) == ("tcp://*:5599", "")
+    # The Python API takes the same nested configuration, or a dict of its fields.
+    assert EngineConfig(store={"store_dir": "/tmp/s"}).store == StoreConfig(store_dir="/tmp/s")
 
 
 def test_an_unwritable_store_dir_fails_at_start_up(model_dir: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with pytest.raises(ConfigError, match="store_dir"):
-        make_llm(model_dir, store_dir=str(blocker / "store"))
+        make_llm(model_dir, store={"store_dir": str(blocker / "store")})
 
 
 def test_a_segment_outlives_its_engine_on_disk(model_dir: Path, tmp_path: Path) -> None:
     store = str(tmp_path / "store")
-    a = make_llm(model_dir, store_dir=store)
+    a = make_llm(model_dir, store={"store_dir": store})
     run(a, [0, 1])
     want = run(a, [1, 0])
     assert want.metrics.segment_hit_tokens > 0 and not want.metrics.store_hit_tokens
     a.close()
     assert len(list((tmp_path / "store").glob("*.kv"))) == 2
 
-    b = make_llm(model_dir, store_dir=store)
+    b = make_llm(model_dir, store={"store_dir": store})
     got = run(b, [1, 0])
     assert got.metrics.segment_hit_tokens == want.metrics.segment_hit_tokens
     assert got.metrics.store_hit_tokens == {"disk": len(DOCS[0]) + len(DOCS[1])}
@@ -128,25 +148,25 @@ def test_closing_right_after_the_first_request_still_writes_its_segments(
 ) -> None:
     # The copy into the store is background work after the request has answered: close() must do it,
     # or the documents of an engine's last requests never reach the disk.
-    a = make_llm(model_dir, store_dir=str(tmp_path / "store"))
+    a = make_llm(model_dir, store={"store_dir": str(tmp_path / "store")})
     # One token: the request finishes in the step that prefilled it, before any step could copy.
     a.generate([prompt([0, 1])], SamplingParams(max_tokens=1, temperature=0.0))
     assert a.engine.store_work.busy
     a.close()
     assert len(list((tmp_path / "store").glob("*.kv"))) == 2
-    got = run(make_llm(model_dir, store_dir=str(tmp_path / "store")), [1, 0])
+    got = run(make_llm(model_dir, store={"store_dir": str(tmp_path / "store")}), [1, 0])
     assert got.metrics.store_hit_tokens == {"disk": len(DOCS[0]) + len(DOCS[1])}
 
 
 def test_a_float16_store_halves_the_entries_and_serves_close_kv(model_dir: Path, tmp_path: Path) -> None:
     sizes = {}
     for dtype in ("float32", "float16"):
-        a = make_llm(model_dir, store_dir=str(tmp_path / dtype), store_dtype=dtype)
+        a = make_llm(model_dir, store={"store_dir": str(tmp_path / dtype), "store_dtype": dtype})
         run(a, [0, 1])
         want = run(a, [1, 0])
         a.close()
         sizes[dtype] = sum(f.stat().st_size for f in (tmp_path / dtype).glob("*.kv"))
-        got = run(make_llm(model_dir, store_dir=str(tmp_path / dtype)), [1, 0])
+        got = run(make_llm(model_dir, store={"store_dir": str(tmp_path / dtype)}), [1, 0])
         assert got.metrics.store_hit_tokens == {"disk": len(DOCS[0]) + len(DOCS[1])}
         assert got.first_logits is not None and want.first_logits is not None
         if dtype == "float32":
@@ -161,23 +181,23 @@ def test_a_float16_store_halves_the_entries_and_serves_close_kv(model_dir: Path,
 
 def test_another_salt_or_dtype_never_reads_an_entry(model_dir: Path, tmp_path: Path) -> None:
     store = str(tmp_path / "store")
-    a = make_llm(model_dir, store_dir=store)
+    a = make_llm(model_dir, store={"store_dir": store})
     a.generate([prompt([2])], GREEDY, RequestOptions(cache_salt="tenant-a"))
     a.close()
-    b = make_llm(model_dir, store_dir=store)
+    b = make_llm(model_dir, store={"store_dir": store})
     other = b.generate([prompt([2])], GREEDY, RequestOptions(cache_salt="tenant-b"))[0]
     assert other.metrics.segment_hit_tokens == 0
     same = b.generate([prompt([2])], GREEDY, RequestOptions(cache_salt="tenant-a"))[0]
     assert same.metrics.store_hit_tokens == {"disk": len(DOCS[2])}
     # Another KV dtype is another fingerprint: another key, never a hit.
-    c = make_llm(model_dir, store_dir=store, kv_dtype="bfloat16")
+    c = make_llm(model_dir, store={"store_dir": store}, kv_dtype="bfloat16")
     other_dtype = c.generate([prompt([2])], GREEDY, RequestOptions(cache_salt="tenant-a"))[0]
     assert other_dtype.metrics.segment_hit_tokens == 0
 
 
 def test_a_corrupt_entry_is_deleted_counted_and_recomputed(model_dir: Path, tmp_path: Path) -> None:
     store = tmp_path / "store"
-    a = make_llm(model_dir, store_dir=str(store))
+    a = make_llm(model_dir, store={"store_dir": str(store)})
     run(a, [0, 1])
     a.close()
     files = sorted(store.glob("*.kv"))
@@ -187,7 +207,7 @@ def test_a_corrupt_entry_is_deleted_counted_and_recomputed(model_dir: Path, tmp_
     files[0].write_bytes(flipped)
     files[1].write_bytes(files[1].read_bytes()[:-100])
 
-    b = make_llm(model_dir, store_dir=str(store))
+    b = make_llm(model_dir, store={"store_dir": str(store)})
     got = run(b, [1, 0])
     stats = b.engine.lower.store.stats()["disk"]  # type: ignore[union-attr]
     assert (stats.corrupt, stats.hits) == (2, 0)
@@ -203,7 +223,7 @@ def test_redis_killed_mid_run_changes_no_output_and_the_engine_reconnects(
     model_dir: Path, tmp_path: Path
 ) -> None:
     server = RedisServer(tmp_path / "redis").start()
-    with_redis = make_llm(model_dir, store_url=server.url)
+    with_redis = make_llm(model_dir, store={"store_url": server.url})
     without = make_llm(model_dir)
     # Documents first seen before, during and after the outage, and reused across it.
     orders = [[0, 1], [1, 2], [3, 0], [4, 2], [5, 1], [3, 4]]
@@ -225,7 +245,7 @@ def test_redis_killed_mid_run_changes_no_output_and_the_engine_reconnects(
         assert_same_output(run(with_redis, [6]), run(without, [6]))
         assert lower.store.flush()
         assert len(server.client().keys("kvsplice:seg:*")) == 1
-        replica = make_llm(model_dir, store_url=server.url)
+        replica = make_llm(model_dir, store={"store_url": server.url})
         assert run(replica, [6, 7]).metrics.store_hit_tokens == {"redis": len(DOCS[6])}
         replica.close()
     finally:
@@ -237,7 +257,7 @@ def test_redis_killed_mid_run_changes_no_output_and_the_engine_reconnects(
 def test_kv_events_name_the_blocks_and_segments_the_caches_hold(model_dir: Path, tmp_path: Path) -> None:
     endpoint = f"ipc://{tmp_path}/events"
     # Full repair keeps KV exact, so the cache indexes plain token ids (cache/segment_keys.py).
-    llm = make_llm(model_dir, prefix_cache="hash", repair="full", kv_events_endpoint=endpoint)
+    llm = make_llm(model_dir, prefix_cache="hash", repair="full", kv_events={"endpoint": endpoint})
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.connect(endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -264,7 +284,9 @@ def test_kv_events_name_the_blocks_and_segments_the_caches_hold(model_dir: Path,
 def test_kv_events_remove_only_what_they_stored(model_dir: Path, tmp_path: Path, prefix_cache: str) -> None:
     endpoint = f"ipc://{tmp_path}/events"
     # A pool of ~30 blocks: the prefix cache and the segment store evict each other's entries.
-    llm = make_llm(model_dir, prefix_cache=prefix_cache, kv_cache_gb=0.00025, kv_events_endpoint=endpoint)
+    llm = make_llm(
+        model_dir, prefix_cache=prefix_cache, kv_cache_gb=0.00025, kv_events={"endpoint": endpoint}
+    )
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.connect(endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -191,7 +191,8 @@ def test_a_host_that_does_not_resolve_is_a_start_up_error() -> None:
 
 
 def test_from_config_builds_disk_then_redis(tmp_path: Path, redis_url: str) -> None:
-    config = StoreConfig(store_dir=str(tmp_path / "kv"), store_dir_bytes=10**7, store_url=redis_url)
+    config = StoreConfig(store_dir=str(tmp_path / "kv"), store_disk_gb=0.01, store_url=redis_url)
     store = TieredStore.from_config(config, FP)
     assert [tier.name for tier in store.tiers] == ["disk", "redis"]
-    assert TieredStore.from_config(StoreConfig(), FP).get("", [1]) is None
+    with pytest.raises(ConfigError, match="store_dir or store_url"):
+        StoreConfig()

@@ -29,7 +29,7 @@ WORKLOAD_HELP = {
 # system's, the pool is sized per engine from --kv-cache-gb, requests run one at a time and greedy
 # (--seed is the workload's).
 SET_PER_ENGINE = frozenset(
-    {"prefix_cache", "repair", "recompute_ratio", "recompute_tokens", "kv_cache_gb", "max_num_seqs", "seed"}
+    {"prefix_cache", "repair", "recompute_ratio", "kv_cache_gb", "max_num_seqs", "seed"}
 )
 
 

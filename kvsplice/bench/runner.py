@@ -53,6 +53,7 @@ from kvsplice.loader.model_files import resolve_model_dir
 from kvsplice.loader.tokenizer import Tokenizer
 from kvsplice.model_config import ModelConfig
 from kvsplice.options import RequestOptions
+from kvsplice.reuse import store_fill
 from kvsplice.sampling import SamplingParams
 
 GIB = 2**30
@@ -144,16 +145,15 @@ class _Run:
             if any(s.engine_key == key for s in self.systems):
                 need[key], floor[key] = sum(requests) + 1, max(requests) + 1
         if num_splice:
-            e = self.config.engine
             # The segment store holds its canonical context once (none without a tokenizer), and a
-            # context sample (segment_contexts > 1) holds a context and its segment while it runs: a
+            # context sample (store_fill.CONTEXTS > 1) holds a context and its segment while it runs: a
             # pool sized without them evicts the very segments the measured requests come to reuse.
-            length = canonical_context_length(self.model_cfg, bs, e.segment_context_tokens)
+            length = canonical_context_length(self.model_cfg, bs)
             context = length // bs if self.tokenizer else 0
             longest = max((cache[text] for text in docs), default=0)
-            sample = context + -(-longest // bs) + 1 if context and e.segment_contexts > 1 else 0
+            sample = context + -(-longest // bs) + 1 if context and store_fill.CONTEXTS > 1 else 0
             # With lead KV the store holds two copies of each segment's KV.
-            stored = doc_blocks * (2 if e.segment_lead_kv and context else 1)
+            stored = doc_blocks * (2 if store_fill.LEAD_KV and context else 1)
             need[SPLICE_ENGINE] = num_splice * (sum(requests) + stored) + context + sample + 1
             floor[SPLICE_ENGINE] = max(requests) + num_splice * stored + context + sample + 1
         cap = int(self.config.kv_cache_gb * GIB // self.block_bytes)
@@ -177,8 +177,7 @@ class _Run:
                 # The prefix-cache systems and the reference reuse nothing beyond the prefix.
                 auto_segments=c.engine.auto_segments and key == SPLICE_ENGINE,
                 # Only segments go to the tiers below the pool: the other engines have none.
-                store_dir=c.engine.store_dir if key == SPLICE_ENGINE else None,
-                store_url=c.engine.store_url if key == SPLICE_ENGINE else None,
+                store=c.engine.store if key == SPLICE_ENGINE else None,
                 kv_cache_gb=gib,
                 max_num_seqs=1,
             )
@@ -186,11 +185,10 @@ class _Run:
         except Exception as err:  # every system on this engine is then reported as failed
             self.notes.append(f"engine {key!r} failed to start: {type(err).__name__}: {err}")
             return _Engine(None, f"engine failed to start: {type(err).__name__}: {err}")
-        shift = llm.engine.repair_shift
-        if key == SPLICE_ENGINE and shift and any(s.splices and s.shift is None for s in self.systems):
+        shift = llm.engine.reuse.shift
+        if key == SPLICE_ENGINE and shift:
             self.notes.append(
-                f"splice systems without a +shift suffix repair with the segment shift at {shift:g} (the "
-                "engine's repair_shift; the model family's default unless --repair-shift sets it)"
+                f"splice systems repair with the segment shift at {shift:g} (the model family's)"
             )
         return _Engine(llm)
 
@@ -235,9 +233,7 @@ class _Run:
             options = RequestOptions(
                 repair=system.policy,
                 recompute_ratio=system.recompute_ratio,
-                repair_target=system.target,
                 cache_salt=system.cache_salt,
-                repair_shift=system.shift,
                 repair_fallback_margin=system.fallback_margin,
             )
             stored_before = engine.segment_store.stats.inserted_tokens
@@ -322,7 +318,6 @@ class _Run:
         splice = self.engines.get(SPLICE_ENGINE)
         if splice is None or splice.llm is None:
             return
-        config = self.config.engine
         stats, work = splice.llm.engine.segment_store.stats, splice.llm.engine.store_work
         prompts = max(1, sum(r.prompt_tokens for r in records if not r.warmup))
         if stats.evictions:
@@ -332,14 +327,14 @@ class _Run:
                 f"the shared splice engine's segment store dropped the lead KV of {stats.lead_evictions} "
                 "entries it kept"
             )
-        if config.segment_contexts > 1:
+        if store_fill.CONTEXTS > 1:
             self.notes.append(
-                f"segment_contexts={config.segment_contexts}: the segment store computed "
+                f"segment_contexts={store_fill.CONTEXTS}: the segment store computed "
                 f"{stats.sampled_tokens:,} tokens to give segments more contexts, "
                 f"{stats.sampled_tokens / prompts:.0%} of the measured requests' prompt tokens; "
                 f"{work.samples_dropped} contexts dropped"
             )
-        if config.segment_lead_kv and stats.lead_tokens:
+        if store_fill.LEAD_KV and stats.lead_tokens:
             self.notes.append(
                 f"segment_lead_kv: the segment store computed {stats.lead_tokens:,} tokens for segments' KV "
                 f"at a prompt's start ({stats.lead_tokens / prompts:.0%} of the measured requests' prompt "

@@ -5,13 +5,11 @@
     radix                   SGLang's radix-tree prefix cache; documents as plain text.
     splice:<policy>@<pct>   documents as `Segment`s, over the radix prefix cache, repaired by <policy>
                             with a budget of <pct>% of the reused segment tokens.
-    splice:adaptive@<kl>    the same, repaired by the adaptive policy, whose knob is a quality target:
-                            the KL (nats) at which it stops (default: the engine's repair_target).
-    <splice system>+shift<s> the same, with the segment shift of repair at scale s (repair/shift.py;
-                            without the suffix: the engine's repair_shift; +shift0: none).
+    splice:adaptive         the same, repaired by the adaptive policy, which stops at a quality target
+                            rather than a budget (repair/adaptive.py).
     <splice system>+fallback<m> the same, prefilled in full where repair leaves the first token
                             leading its runner-up by less than m (a probability; without the suffix:
-                            the engine's repair_fallback_margin). Suffixes combine: +shift0+fallback0.03.
+                            the engine's repair_fallback_margin).
     <splice system>/plain   the same, the prompt sent unmarked as one plain string (`--unmarked` adds
                             one per splice system): reuse beyond the prefix is what auto_segments finds.
 
@@ -55,15 +53,12 @@ class System:
     name: str
     # The prefix cache of the system's engine.
     prefix_cache: str
-    # Splicing systems: the repair policy and its budget in percent of the reused segment tokens (or,
-    # for a policy without a budget, its quality target; None: the engine's default).
+    # Splicing systems: the repair policy and its budget in percent of the reused segment tokens (None:
+    # the engine's default, or a policy without a budget).
     policy: str | None = None
     budget_pct: float | None = None
-    target: float | None = None
     # Documents go as Segments (splicing systems); False: the whole prompt as one plain string.
     marked: bool = True
-    # The segment shift's scale (None: the engine's repair_shift).
-    shift: float | None = None
     # The first-token margin below which a request is prefilled in full (None: the engine's).
     fallback_margin: float | None = None
 
@@ -95,26 +90,24 @@ def splice_system(policy: str, budget_pct: float) -> System:
     if policy not in POLICY_NAMES:
         raise ValueError(f"unknown repair policy {policy!r}; choose one of {POLICY_NAMES}")
     if not POLICIES[policy].budgeted:
-        raise ValueError(f"{policy} takes a quality target, not a budget: splice:{policy}@<kl>")
+        raise ValueError(f"{policy} stops at a quality target, not a budget: splice:{policy}")
     if not 0 <= budget_pct <= 100:
         raise ValueError(f"a budget is a percentage in [0, 100], got {budget_pct}")
     return System(f"splice:{policy}@{budget_pct:g}", "radix", policy, float(budget_pct))
 
 
-def target_system(policy: str, target: float | None) -> System:
-    """A splicing system whose policy stops at a quality target (a KL in nats) rather than a budget."""
-    if target is not None and not target >= 0:
-        raise ValueError(f"a quality target is a KL in nats, >= 0, got {target}")
-    name = f"splice:{policy}" + ("" if target is None else f"@{target:g}")
-    return System(name, "radix", policy, None, target)
+def target_system(policy: str) -> System:
+    """A splicing system whose policy stops at a quality target rather than a budget."""
+    return System(f"splice:{policy}", "radix", policy)
 
 
 _NAME = re.compile(r"(?:splice:)?(?P<policy>[^@+/]+)(?:@(?P<budget>[^+/]+))?(?P<rest>.*)")
 
 
 def name_parts(system: str) -> tuple[str, str, str]:
-    """A system's name as (policy, budget or target, suffixes): "splice:lead@15+shift0.5/plain" is
-    ("lead", "15", "+shift0.5/plain"), "splice:adaptive" ("adaptive", "", ""), "radix" ("radix", "", "")."""
+    """A system's name as (policy, budget, suffixes): "splice:lead@15+fallback0.1/plain" is
+    ("lead", "15", "+fallback0.1/plain"), "splice:adaptive" ("adaptive", "", ""), "radix" ("radix", "",
+    "")."""
     m = _NAME.fullmatch(system)
     assert m is not None, f"not a system name: {system!r}"
     return m["policy"], m["budget"] or "", m["rest"]
@@ -141,20 +134,16 @@ def parse_systems(names: Sequence[str], budgets: Sequence[float] = DEFAULT_BUDGE
             found = [System(item, item)]
         elif item == "splice":
             found = [
-                splice_system(p, b) if POLICIES[p].budgeted else target_system(p, None)
+                splice_system(p, b) if POLICIES[p].budgeted else target_system(p)
                 for p in POLICY_NAMES
                 for b in (policy_budgets(p, budgets) if POLICIES[p].budgeted else [0.0])
             ]
         elif item.startswith("splice:"):
             policy, _, budget = item.removeprefix("splice:").partition("@")
             if policy in POLICIES and not POLICIES[policy].budgeted:
-                try:
-                    target = float(budget) if budget else None
-                except ValueError:
-                    raise ValueError(
-                        f"bad target in {item!r}: a KL in nats, as in splice:{policy}@0.05"
-                    ) from None
-                found = [target_system(policy, target)]
+                if budget:
+                    raise ValueError(f"{policy} stops at a quality target, not a budget: splice:{policy}")
+                found = [target_system(policy)]
             elif budget:
                 try:
                     pct = float(budget.rstrip("%"))
@@ -181,14 +170,12 @@ def parse_systems(names: Sequence[str], budgets: Sequence[float] = DEFAULT_BUDGE
 
 
 # A splice system's suffixes: +<knob><value>, each a number in [0, 1].
-SUFFIXES = ("shift", "fallback")
+SUFFIXES = ("fallback",)
 
 
 def _with(system: System, knob: str, value: float) -> System:
     """The system with a suffix's knob set: its own name, so its own cache salt."""
     name = f"{system.name}+{knob}{value:g}"
-    if knob == "shift":
-        return dataclasses.replace(system, name=name, shift=value)
     assert knob == "fallback"
     return dataclasses.replace(system, name=name, fallback_margin=value)
 

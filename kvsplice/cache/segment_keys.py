@@ -22,35 +22,62 @@ cached one (two documents that both start "The ..."); the reuse path stores that
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
 from kvsplice.prompt import ParsedPrompt
 
+# Repair settings remembered at once. A client that sends a new setting with every request (a ratio
+# of its own each time) would otherwise grow the table without bound on a long-running server.
+MAX_SETTINGS = 64
+
 
 class SegmentKeys:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        # (token, a marked segment starts here, repair settings) -> key id; ids are handed out in order,
-        # so two different triples never share one (a hash could collide and serve the wrong KV).
-        self._ids: dict[tuple[int, bool, Hashable], int] = {}
+        # Repair settings -> serial number, least recently used first. A key id is a function of
+        # (token, a marked segment starts here, serial), so no table grows with the tokens. Serial
+        # numbers are never reused: settings that come back after being forgotten get a new one, and
+        # the paths cached under the old one are never matched again (a miss, never the wrong KV).
+        self._serials: OrderedDict[Hashable, int] = OrderedDict()
+        self._next_serial = 0
 
     def __call__(self, prompt: ParsedPrompt, settings: Hashable, first: int) -> list[int]:
         """The prompt's keys when its KV is approximate from position `first` on."""
         starts = {span.start for span in prompt.segments}
+        serial = self._serial(settings)
         keys = list(prompt.token_ids)
         for i in range(first, len(keys)):
-            keys[i] = self._id((keys[i], i in starts, settings))
+            keys[i] = self._id(keys[i], i in starts, serial)
         return keys
 
     def generated(self, token: int, settings: Hashable) -> int:
         """The key of a token a segment-keyed request generated."""
-        return self._id((token, False, settings))
+        return self._id(token, False, self._serial(settings))
 
-    def _id(self, triple: tuple[int, bool, Hashable]) -> int:
-        key = self._ids.get(triple)
-        if key is None:
-            key = self._ids[triple] = self.vocab_size + len(self._ids)
+    @property
+    def num_settings(self) -> int:
+        """Repair settings remembered now (at most MAX_SETTINGS)."""
+        return len(self._serials)
+
+    def _serial(self, settings: Hashable) -> int:
+        serial = self._serials.get(settings)
+        if serial is None:
+            serial = self._serials[settings] = self._next_serial
+            self._next_serial += 1
+            if len(self._serials) > MAX_SETTINGS:
+                self._serials.popitem(last=False)
+        self._serials.move_to_end(settings)
+        return serial
+
+    def _id(self, token: int, starts: bool, serial: int) -> int:
+        """An id above the vocabulary, distinct for every (token, starts, serial): the vocabulary-sized
+        range of ids (serial, starts) owns, at the token's place in it."""
+        assert 0 <= token < self.vocab_size
+        key = self.vocab_size * (1 + 2 * serial + starts) + token
+        # The hash-chain cache packs ids as int64.
+        assert key < 2**63, "segment key ids exhausted"
         return key
 
     def choose(
@@ -59,17 +86,17 @@ class SegmentKeys:
         settings: Hashable,
         approximate: bool,
         peek: Callable[[list[int]], int],
-        first_found: Callable[[int], int | None] = lambda hit: None,
+        first_found: int | None = None,
         exact_lead: int | None = None,
     ) -> CacheKeys:
         """The ids a request is cached under: plain token ids, or segment keys when the request splices
         with a repair that leaves KV approximate and they match at least as much (`peek`: the prefix
         cache's hit for some ids): then its KV, approximate or not, enters the prefix cache under them
-        and later requests that extend it reuse it. `first_found(hit)`: where the first span found
-        without markup after the plain prefix hit `hit` starts, if any. `exact_lead`: where the prompt's
-        first marked segment ends when it will be spliced from lead KV computed after this very head
-        (a full prefill's KV): its tokens keep their ids, and segment keys start after it. Else a
-        request that opens with the same segment and asks another question would take, as its
+        and later requests that extend it reuse it. `first_found`: where the first span found without
+        markup after the plain prefix hit starts, if any (reuse/prefill.Lookup). `exact_lead`: where
+        the prompt's first marked segment ends when it will be spliced from lead KV computed after
+        this very head (a full prefill's KV): its tokens keep their ids, and segment keys start after
+        it. Else a request that opens with the same segment and asks another question would take, as its
         prefix, this one's KV of it, repaired for this one's question (recall bench, SmolLM2, 200
         requests, the answer in the first document: KL 0.138 where that document came that way, 0.080
         where it was spliced afresh)."""
@@ -81,9 +108,9 @@ class SegmentKeys:
         if exact_lead is not None:
             assert prompt.segments and prompt.segments[0].end == exact_lead
             starts = starts[1:]
-        found = first_found(plain_hit)
-        if found is not None:
-            starts.append(found)
+        if first_found is not None:
+            assert first_found >= plain_hit, "spans are found after the plain prefix hit"
+            starts.append(first_found)
         if not starts:
             return CacheKeys(plain, None)
         first = min(starts)

@@ -17,7 +17,7 @@ per block, and is a `Reclaimer` the allocator asks to drop least recently used e
 runs short. Keys are (namespace, token ids): tenants with different salts share nothing (the
 canonical context is public text, shared by all).
 
-An entry's lead KV (its KV at a prompt's start, EngineConfig.segment_lead_kv) is a second copy, on a
+An entry's lead KV (its KV at a prompt's start, reuse/store_fill.LEAD_KV) is a second copy, on a
 clock of its own that every use of the entry moves, as well as every prompt spliced from it: a
 segment reused anywhere may open the next prompt (in a RAG workload a document opens about one in as
 many prompts as they have documents). A lead KV that aged only by those openings went before the
@@ -50,10 +50,10 @@ class SegmentEntry:
     # canonical position len(context) + j.
     blocks: list[int]
     last_access: float = field(default_factory=time.monotonic)
-    # How many contexts the stored KV is the mean over (EngineConfig.segment_contexts).
+    # How many contexts the stored KV is the mean over (reuse/store_fill.CONTEXTS).
     contexts: int = 1
     # The segment computed right after a prompt's head alone, as where a prompt starts with it
-    # (EngineConfig.segment_lead_kv): token j at slot len(lead_head) + j of these blocks, at that
+    # (reuse/store_fill.LEAD_KV): token j at slot len(lead_head) + j of these blocks, at that
     # position (the head's own KV is in the slots before). None until computed.
     lead_blocks: list[int] | None = None
     lead_head: tuple[int, ...] = ()
@@ -231,27 +231,23 @@ class SegmentStore:
 # Measured on recall (8 documents, lead@15, 4 contexts; the same 30 requests) against the earlier
 # window + 64 (576) on Gemma 3 and 256 on SmolLM2: first-token agreement 83 -> 93% on Gemma 3 at an
 # equal mean KL, KL 0.115 -> 0.094 on SmolLM2 (bench/results/recall_*_8docs_context1024).
-DEFAULT_CONTEXT_TOKENS = 1024
+CONTEXT_TOKENS = 1024
 
 
-def canonical_context_length(cfg: ModelConfig, block_size: int, requested: int | None) -> int:
-    """Tokens of the canonical context: `requested`, or by default DEFAULT_CONTEXT_TOKENS (the model's
-    sliding window plus 64 where that is more; at most half the model's positions), rounded up to
-    whole blocks."""
-    if requested is None:
-        window = cfg.sliding_window + 64 if cfg.sliding_window else 0
-        requested = min(max(DEFAULT_CONTEXT_TOKENS, window), cfg.max_position_embeddings // 2)
-    return -(-requested // block_size) * block_size
+def canonical_context_length(cfg: ModelConfig, block_size: int) -> int:
+    """Tokens of the canonical context: CONTEXT_TOKENS (the model's sliding window plus 64 where that
+    is more; at most half the model's positions), rounded up to whole blocks."""
+    window = cfg.sliding_window + 64 if cfg.sliding_window else 0
+    tokens = min(max(CONTEXT_TOKENS, window), cfg.max_position_embeddings // 2)
+    return -(-tokens // block_size) * block_size
 
 
-def canonical_context(
-    tokenizer: Encoder | None, cfg: ModelConfig, block_size: int, requested: int | None
-) -> tuple[int, ...]:
+def canonical_context(tokenizer: Encoder | None, cfg: ModelConfig, block_size: int) -> tuple[int, ...]:
     """The context every stored segment is computed after: BOS (when the model expects one), then
     generic documents, `canonical_context_length` tokens. Empty for a model without a tokenizer."""
     if tokenizer is None:
         return ()
-    length = canonical_context_length(cfg, block_size, requested)
+    length = canonical_context_length(cfg, block_size)
     text = (resources.files("kvsplice") / "data" / "segment_context.txt").read_text()
     filler = tokenizer.encode(text)
     tokens = bos_ids(tokenizer) + filler * (1 + length // len(filler))

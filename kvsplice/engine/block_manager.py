@@ -7,8 +7,6 @@ request that does not fit waits, at the head of the queue, until finished reques
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-
 import torch
 
 from kvsplice.cache.base import PrefixCache
@@ -16,13 +14,7 @@ from kvsplice.cache.segment_keys import SegmentKeys
 from kvsplice.engine.request import Admission, Request
 from kvsplice.errors import OutOfBlocksError
 from kvsplice.kv.pool import KVPool
-from kvsplice.prompt import ParsedPrompt
 from kvsplice.repair.registry import POLICIES
-
-# (namespace, prompt, plain prefix hit) -> where the first span found without markup starts, if any
-FirstFound = Callable[[Hashable, ParsedPrompt, int], int | None]
-# (namespace, prompt) -> where its first marked segment ends if it is spliced from exact lead KV
-ExactLead = Callable[[Hashable, ParsedPrompt], int | None]
 
 
 class BlockManager:
@@ -32,12 +24,8 @@ class BlockManager:
         prefix_cache: PrefixCache,
         max_model_len: int,
         vocab_size: int,
-        first_found: FirstFound = lambda namespace, prompt, hit: None,
-        exact_lead: ExactLead = lambda namespace, prompt: None,
     ) -> None:
         self.pool = pool
-        self.first_found = first_found
-        self.exact_lead = exact_lead
         self.allocator = pool.allocator
         self.prefix_cache = prefix_cache
         self.max_model_len = max_model_len
@@ -52,9 +40,14 @@ class BlockManager:
         # holds the shared one, so a request that needs every block never fits.
         return self.blocks_needed(num_prompt_tokens, max_tokens) + 1 <= self.pool.num_blocks
 
-    def admit(self, request: Request) -> Admission | None:
+    def plain_hit(self, request: Request) -> int:
+        """The prefix the cache holds for the request's plain token ids (changes nothing)."""
+        return self.prefix_cache.peek(request.seq.namespace, list(request.prompt.token_ids))
+
+    def admit(self, request: Request, first_found: int | None, exact_lead: int | None) -> Admission | None:
         """Take the request's cached prefix and reserve its blocks; None, holding nothing, if memory is
-        short."""
+        short. `first_found`, `exact_lead`: what the reuse path found for it (reuse/prefill.Lookup), by
+        which its keys are chosen (cache/segment_keys.py)."""
         seq = request.seq
         approximate = not POLICIES[request.repair.policy].exact
         keys = self.segment_keys.choose(
@@ -62,8 +55,8 @@ class BlockManager:
             request.repair,
             approximate,
             lambda ids: self.prefix_cache.peek(seq.namespace, ids),
-            lambda hit: self.first_found(seq.namespace, request.prompt, hit),
-            self.exact_lead(seq.namespace, request.prompt),
+            first_found,
+            exact_lead,
         )
         seq.keys = keys.ids
         hit = self.prefix_cache.acquire(seq)

@@ -37,11 +37,11 @@ from kvsplice.models.build import load_model
 from kvsplice.models.runner import DecodeItem, ModelRunner
 from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
+from kvsplice.plan import SpanKind
 from kvsplice.prompt import Prompt, parse_prompt
-from kvsplice.repair.shift import default_shift
-from kvsplice.reuse.discover import SpanFinder
+from kvsplice.reuse import store_fill
+from kvsplice.reuse.discover import MIN_SPAN_TOKENS, SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
-from kvsplice.reuse.plan import SpanKind
 from kvsplice.reuse.prefill import Prefill, ReusePath, lead_head
 from kvsplice.sampling import SamplingParams, sample
 from kvsplice.store import KVEventPublisher, TieredStore
@@ -73,48 +73,30 @@ class Engine:
             config.max_model_len or 2**62,
             self.pool.capacity_tokens,
         )
-        # The segment shift of repair where neither the request nor the config sets one.
-        self.repair_shift = (
-            config.repair_shift if config.repair_shift is not None else default_shift(self.model_config)
-        )
         self.runner = ModelRunner(self.model, self.pool)
         self.prefix_cache = make_prefix_cache(config.prefix_cache, self.pool.allocator)
-        context = canonical_context(
-            self.tokenizer, self.model_config, config.block_size, config.segment_context_tokens
-        )
+        context = canonical_context(self.tokenizer, self.model_config, config.block_size)
         self.segment_store = SegmentStore(self.pool.allocator, context)
         # Earlier prompts are kept to search in up to what the pool could hold as KV: ~9 bytes a token
         # against ~36 KB of KV a token on the default model.
-        finder = (
-            SpanFinder(config.auto_segment_min_tokens, self.pool.capacity_tokens)
-            if config.auto_segments
-            else None
-        )
-        store_config = config.store_config()
+        finder = SpanFinder(MIN_SPAN_TOKENS, self.pool.capacity_tokens) if config.auto_segments else None
         self.lower: LowerTiers | None = None
-        if store_config.store_dir is not None or store_config.store_url is not None:
+        if config.store is not None:
             fingerprint = store_fingerprint(self.model_dir, self.model_config, config, context)
-            store = TieredStore.from_config(store_config, fingerprint)
+            store = TieredStore.from_config(config.store, fingerprint)
             self.lower = LowerTiers(store, self.segment_store, self.pool)
         self.reuse = ReusePath(
             self.runner, self.pool, self.segment_store, self.prefix_cache, finder, self.lower
         )
-        events_config = config.kv_events_config()
         self.events: KVEventRecorder | None = None
-        if events_config is not None:
-            self.events = KVEventRecorder(KVEventPublisher(events_config), config.block_size)
+        if config.kv_events is not None:
+            self.events = KVEventRecorder(KVEventPublisher(config.kv_events), config.block_size)
             self.prefix_cache.listener = self.events
             self.segment_store.watch(self.events)
         self.blocks = BlockManager(
-            self.pool,
-            self.prefix_cache,
-            self.max_model_len,
-            self.model_config.vocab_size,
-            self.reuse.first_found,
-            self.reuse.exact_lead,
+            self.pool, self.prefix_cache, self.max_model_len, self.model_config.vocab_size
         )
         self.scheduler = Scheduler(
-            self.blocks,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.prefill_chunk_cap,
@@ -128,8 +110,8 @@ class Engine:
             self.pool,
             self.runner,
             self.lower,
-            config.segment_contexts,
-            config.segment_lead_kv,
+            store_fill.CONTEXTS,
+            store_fill.LEAD_KV,
         )
         # Prompts for the span finder to index (their KV now computed), at the start of the next step.
         self._to_index: list[tuple[Hashable, tuple[int, ...]]] = []
@@ -170,17 +152,9 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        c = self.config
-        settings = options.resolve(
-            c.repair,
-            c.recompute_ratio,
-            c.recompute_tokens,
-            c.repair_target,
-            self.repair_shift,
-            c.repair_fallback_margin,
-        )
+        settings = options.resolve(self.config)
         namespace = options.namespace(str(self.model_dir))
-        seed = params.seed if params.seed is not None else c.seed + next(self._ids)
+        seed = params.seed if params.seed is not None else self.config.seed + next(self._ids)
         generator = None if params.greedy else torch.Generator(device=self.pool.device).manual_seed(seed)
         request = Request(
             request_id=request_id,
@@ -240,32 +214,33 @@ class Engine:
             self.events.close()
 
     def _admit(self) -> None:
-        """Admit and prepare waiting requests while the scheduler allows. Blocks held for queued store
-        copies are given back (the copies done now) when the head of the queue waits for memory."""
-        while True:
-            admitted = self.scheduler.admit_next()
-            if admitted is not None:
-                self._prepare(admitted)
-            elif not self.scheduler.short_of_memory:
-                return
-            elif self.store_work.holds_blocks:
+        """Admit and prepare waiting requests while the scheduler allows, one way: the reuse path's
+        lookup (data), then admission keyed by it (the block manager), then the prefill's preparation
+        (the reuse path again). Blocks held for queued store copies are given back (the copies done
+        now) when the head of the queue waits for memory."""
+        while (request := self.scheduler.admissible()) is not None:
+            lookup = self.reuse.lookup(request.namespace, request.prompt, self.blocks.plain_hit(request))
+            admission = self.blocks.admit(request, lookup.first_found, lookup.exact_lead)
+            if admission is None:
+                # Each request was checked to fit an empty pool: only memory that running requests (or
+                # queued store copies) hold can be missing. It waits at the head of the queue.
+                if not self.store_work.holds_blocks:
+                    assert self.scheduler.running, "a request that fits an empty pool waits in an idle engine"
+                    return
                 self.store_work.copy()
-            else:
-                assert self.scheduler.running, "a request that fits an empty pool waits in an idle engine"
-                return
-
-    def _prepare(self, request: Request) -> None:
-        assert request.admission is not None
-        request.metrics.queue_s = time.perf_counter() - request.arrival
-        request.prefill = self.reuse.prepare(
-            request.prompt,
-            request.namespace,
-            request.repair,
-            request.seq.block_table,
-            request.admission.prefix_hit_tokens,
-            request.admission.approximate_from,
-            self.store_work.pending,
-        )
+                continue
+            self.scheduler.start(request, admission)
+            request.metrics.queue_s = time.perf_counter() - request.arrival
+            request.prefill = self.reuse.prepare(
+                request.prompt,
+                request.namespace,
+                request.repair,
+                request.seq.block_table,
+                admission.prefix_hit_tokens,
+                lookup,
+                admission.approximate_from,
+                self.store_work.pending_kv(),
+            )
 
     def _decode(self, batch: StepBatch) -> list[StepOutput]:
         items = [

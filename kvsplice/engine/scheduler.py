@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvsplice.engine.block_manager import BlockManager
-from kvsplice.engine.request import Request, Status
+from kvsplice.engine.request import Admission, Request, Status
 
 
 @dataclass(frozen=True)
@@ -39,20 +38,17 @@ class StepBatch:
 class Scheduler:
     def __init__(
         self,
-        blocks: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         long_prefill_token_threshold: int,
     ) -> None:
         assert max_num_batched_tokens > max_num_seqs, "every running request must fit a step's budget"
-        self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Request] = deque()
         # In admission order, which is arrival order.
         self.running: list[Request] = []
-        self.short_of_memory = False
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -60,24 +56,20 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admit_next(self) -> Request | None:
-        """Admit the oldest waiting request if a seat, memory and some of this step's budget remain.
-        The caller prepares its prefill (request.prefill) before admitting the next one. When memory was
-        what the head of the queue lacked, `short_of_memory` says so until the next call."""
-        self.short_of_memory = False
+    def admissible(self) -> Request | None:
+        """The oldest waiting request, if a seat and some of this step's budget remain (the head of the
+        queue is never skipped). The engine admits it, or finds memory short, before asking again."""
         if not self.waiting or len(self.running) >= self.max_num_seqs or self._spare_budget() <= 0:
             return None
-        request = self.waiting[0]
-        admission = self.blocks.admit(request)
-        if admission is None:
-            # Each request was checked to fit an empty pool: only memory that running requests (or the
-            # engine's queued store copies) hold can be missing. It waits at the head of the queue.
-            self.short_of_memory = True
-            return None
+        return self.waiting[0]
+
+    def start(self, request: Request, admission: Admission) -> None:
+        """The head of the queue was admitted: it runs. The engine prepares its prefill (request.prefill)
+        before asking for the next one."""
+        assert self.waiting[0] is request, "requests are admitted in arrival order"
         self.waiting.popleft()
         request.status, request.admission = Status.RUNNING, admission
         self.running.append(request)
-        return request
 
     def schedule(self) -> StepBatch:
         budget = self.max_num_batched_tokens

@@ -2,7 +2,7 @@
 
     queue(namespace, block_table, prefill)   after a prefill's last chunk: what it missed, and the spans
                                              it moved from earlier prompts, are queued
-    pending(namespace, tokens)               where a queued segment's KV is until it is copied
+    pending_kv()                             where each queued segment's KV is until it is copied
     copy(segments)                           copy queued captures into the store, segment by segment (tens
                                              of milliseconds each), and let go of the blocks held for them
     fill(tokens)                             one chunk of a stored segment computed after another
@@ -114,13 +114,13 @@ class StoreWork:
             release = i == len(prefill.missed) - 1
             self._copies.append(_Copy(namespace, blocks, missed, release, head))
 
-    def pending(self, namespace: Hashable, tokens: tuple[int, ...]) -> PendingKV | None:
-        """Where a segment whose copy is queued has its KV: in the blocks of the request that computed
-        it, at the positions it had there."""
+    def pending_kv(self) -> dict[tuple[Hashable, tuple[int, ...]], PendingKV]:
+        """Where each segment whose copy is queued has its KV: in the blocks of the request that computed
+        it, at the positions it had there (the first queued copy of a segment)."""
+        found: dict[tuple[Hashable, tuple[int, ...]], PendingKV] = {}
         for c in self._copies:
-            if c.namespace == namespace and c.segment.tokens == tokens:
-                return PendingKV(c.blocks, c.segment.start)
-        return None
+            found.setdefault((c.namespace, c.segment.tokens), PendingKV(c.blocks, c.segment.start))
+        return found
 
     def copy(self, segments: int | None = None) -> int:
         """Copy the first `segments` queued segments' KV (None: all) into the store, in order, letting go

@@ -16,7 +16,6 @@ from kvsplice.kv import rope
 from kvsplice.kv.attention import attend
 from kvsplice.kv.pool import KVPool
 from kvsplice.model_config import ModelConfig
-from kvsplice.repair.shift import SegmentShift
 
 
 class LayerObserver(Protocol):
@@ -26,6 +25,24 @@ class LayerObserver(Protocol):
 
     def observe(
         self, layer: int, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None: ...
+
+
+class KVShift(Protocol):
+    """Moves pool K/V of tokens a pass does not recompute, on a layer, before its attention reads them
+    (the segment shift of repair: repair/shift.py)."""
+
+    def apply(
+        self,
+        layer: int,
+        positions: torch.Tensor,
+        key_slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pool_k: torch.Tensor,
+        pool_v: torch.Tensor,
+        freq: torch.Tensor,
+        rope_kind: str,
     ) -> None: ...
 
 
@@ -40,7 +57,7 @@ class ForwardContext:
         key_slots: torch.Tensor,
         key_pos: torch.Tensor,
         observer: LayerObserver | None = None,
-        shift: SegmentShift | None = None,
+        shift: KVShift | None = None,
         sequence_slots: torch.Tensor | None = None,
     ) -> None:
         """positions, write_slots: [B, T]; key_slots, key_pos: [B, S] (padding: slot 0, position NO_KEY).

@@ -17,11 +17,10 @@ import torch
 
 from kvsplice.kv import rope
 from kvsplice.kv.attention import NO_KEY
-from kvsplice.kv.context import ForwardContext, LayerObserver
+from kvsplice.kv.context import ForwardContext, KVShift, LayerObserver
 from kvsplice.kv.pool import KVPool
 from kvsplice.models.flops import FlopModel
 from kvsplice.models.layers import CausalLM
-from kvsplice.repair.shift import SegmentShift
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ class ForwardChunk:
     need_logits: bool = False
     observer: LayerObserver | None = None
     # A repair pass's segment shift (repair/shift.py).
-    shift: SegmentShift | None = None
+    shift: KVShift | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +138,7 @@ class ModelRunner:
         positions: torch.Tensor,
         lengths: list[int],
         observer: LayerObserver | None = None,
-        shift: SegmentShift | None = None,
+        shift: KVShift | None = None,
     ) -> ForwardContext:
         bs = self.pool.block_size
         num_blocks = max(-(-n // bs) for n in lengths)

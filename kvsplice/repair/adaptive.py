@@ -1,6 +1,6 @@
 """Adaptive repair: the budget is chosen per request, by how much more repair still changes the answer.
 
-Its knob is a quality target, not a ratio: `target`, a KL divergence (nats) between the next-token
+It stops at a quality target, not a budget: `TARGET`, a KL divergence (nats) between the next-token
 distributions of two successive rounds of repair. The rounds:
 
   0. the computed tokens (the question) run through every layer over the moved, unrepaired KV,
@@ -10,7 +10,7 @@ distributions of two successive rounds of repair. The rounds:
      most attended up to half of them, then the most attended anywhere), are recomputed, from the
      first layer, with the computed tokens: a second estimate;
   2. ... each later round recomputes `lead`'s choice at twice the share, the earlier rounds' tokens
-     with it, until two successive estimates differ by at most `target`.
+     with it, until two successive estimates differ by at most `TARGET`.
 
 Reused tokens here are those with approximate KV (plan.stale(): not a lead KV computed after the
 same head, which is exact). A repair that has not converged by `FALLBACK_SHARE` of them is not
@@ -36,9 +36,9 @@ import math
 
 import torch
 
+from kvsplice.plan import SpanKind
 from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask
 from kvsplice.repair.query import QueryAttentionObserver, lead_choice, question_probe
-from kvsplice.reuse.plan import SpanKind
 from kvsplice.sampling import kl_divergence
 
 # The first round recomputes what `lead@15` would, and its move from the unrepaired estimate decides
@@ -50,6 +50,8 @@ from kvsplice.sampling import kl_divergence
 # requests take more is only weakly told (bench/results/recall_gemma_8docs_adaptive_fresh,
 # recall_gemma_8docs_seed1_adaptive).
 FIRST_SHARE = 0.15
+# Two successive estimates this close (KL, nats) end the repair.
+TARGET = 0.05
 # The share of reused tokens, ranked by the question's attention, whose attention mass says whether a
 # sparse repair can be trusted, and the least mass they must hold (between few-shot's 0.62 at most
 # and recall's 0.79 at least).
@@ -92,7 +94,7 @@ class AdaptiveRepair(RepairPolicy):
 
     def refine(self, task: RepairTask, logits: torch.Tensor) -> tuple[int, ...] | None:
         taken, total = len(self._taken), len(task.plan.stale())
-        if self._last is None or taken == total or kl_divergence(logits, self._last) <= task.target:
+        if self._last is None or taken == total or kl_divergence(logits, self._last) <= TARGET:
             # (No estimate yet: nothing was spliced, so there was no probe.)
             return None
         self._last = logits

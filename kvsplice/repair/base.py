@@ -26,7 +26,7 @@ import torch
 
 from kvsplice.kv.context import LayerObserver
 from kvsplice.model_config import ModelConfig
-from kvsplice.reuse.plan import Plan
+from kvsplice.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,6 @@ class RepairTask:
     num_layers: int
     # The model, for policies whose choice depends on its layers (None in model-free tests).
     model: ModelConfig | None = None
-    # The quality target of a policy without a budget: the KL (nats) its repair converges to.
-    target: float = 0.0
     # The segment shift's scale (repair/shift.py); 0: none.
     shift: float = 0.0
     # After the policy is done: below this first-token margin, recompute every stale token (RepairRun).

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from kvsplice.kv.context import ForwardContext
+from kvsplice.plan import SpanKind
 from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask, probe_unless_settled
-from kvsplice.reuse.plan import SpanKind
 
 
 class NoRepair(RepairPolicy):

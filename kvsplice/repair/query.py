@@ -24,8 +24,8 @@ import torch
 
 from kvsplice.kv.context import ForwardContext
 from kvsplice.model_config import ModelConfig
+from kvsplice.plan import Plan
 from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask, probe_unless_settled
-from kvsplice.reuse.plan import Plan
 
 
 class QueryAttentionObserver:

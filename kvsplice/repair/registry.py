@@ -20,6 +20,6 @@ def make_policy(name: str) -> RepairPolicy:
     return POLICIES[name]()
 
 
-def budget_tokens(spliced: int, ratio: float, tokens: int | None) -> int:
-    """The repair budget for `spliced` reused tokens: an absolute count, or a rounded ratio."""
-    return min(spliced, tokens if tokens is not None else round(ratio * spliced))
+def budget_tokens(spliced: int, ratio: float) -> int:
+    """The repair budget for `spliced` reused tokens: a rounded ratio of them."""
+    return round(ratio * spliced)

@@ -34,7 +34,7 @@ would be spliced, and the answer would be computed from moved KV. Kept out, they
 tokens after the last marked segment are, and the query-aware repair probes with them.
 
 The first `head_tokens` of a found span are computed too, not spliced (the plan makes them so:
-reuse/plan.py; the span is found, keyed and stored whole). A found span starts where the prompt and
+plan.py; the span is found, keyed and stored whole). A found span starts where the prompt and
 the content it was found in stop agreeing, so its first tokens are the ones whose stored KV followed
 other text; and where a marked prompt's segment starts at a document, a found span starts wherever
 the common text does, often in framing that recurs with the passage (an agent's tool-call line,
@@ -96,6 +96,11 @@ class Discovery(NamedTuple):
     new: list[SeenSpan]
 
 
+# The shortest span found without markup that is spliced: the span index finds every span this long,
+# and unrelated texts share runs of at most ~11 tokens (bench/results/chunking.md).
+MIN_SPAN_TOKENS = 64
+
+
 class SpanFinder:
     def __init__(
         self,
@@ -105,8 +110,7 @@ class SpanFinder:
         tail_tokens: int = 8,
         head_tokens: int = 16,
     ) -> None:
-        """min_tokens: the shortest span spliced (64 by default: the span index finds every span this
-        long, and unrelated texts share runs of at most ~11 tokens: bench/results/chunking.md).
+        """min_tokens: the shortest span spliced (the engine's: MIN_SPAN_TOKENS).
         history_tokens: the most tokens of earlier prompts kept to search in (~9 bytes each).
         tail_tokens: the prompt's last tokens, always computed (at least the last one).
         head_tokens: the first tokens of each found span, computed instead of spliced."""

@@ -1,22 +1,26 @@
 """The reuse path's entry point: from an admitted prompt to the prefill work that gives it KV.
 
-    prepare(prompt, ...)   look up the prompt's segments in the store, find the spans it shares
-                           with earlier prompts without markup (when a span finder is given), plan
-                           the spans, place the stored KV of spliced spans at their new positions,
-                           and start the repair policy's run (repair_run.py): returns a `Prefill`
-                           (the plan, the work, and what was decided once the work is done)
+    lookup(namespace, prompt, plain_hit)   before admission: the spans the prompt shares with
+                           earlier prompts without markup (the span finder runs once per request,
+                           here) and whether its first segment has exact lead KV: data that
+                           admission keys the request by, and prepare then uses
+    prepare(prompt, ...)   look up the prompt's segments in the store, plan the spans, place the
+                           stored KV of spliced spans at their new positions, and start the repair
+                           policy's run (repair_run.py): returns a `Prefill` (the plan, the work,
+                           and what was decided once the work is done)
 
 A segment the pool's store lacks is first asked of the tiers below it (disk, Redis: lower_tiers.py);
 a hit there is promoted into the pool's store and spliced like any other. Then of the engine's queued
 store copies: a segment an earlier request computed in place, whose copy into the store waits for
-idle time, is moved from that request's blocks, as the copy would be (`pending`). Segments no one
+idle time, is moved from that request's blocks, as the copy would be (`pending`, which the engine
+passes as data). Segments no one
 holds, marked or found, are computed in place with the rest of the prompt (exact for this request)
 and listed in `Prefill.missed`, for the engine to store after the first token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -27,13 +31,14 @@ from kvsplice.cache.segments import SegmentStore
 from kvsplice.kv.pool import KVPool
 from kvsplice.models.runner import ModelRunner
 from kvsplice.options import RepairSettings
+from kvsplice.plan import Plan, Span, SpanKind, make_plan
 from kvsplice.prompt import ParsedPrompt
 from kvsplice.repair.base import RepairTask
 from kvsplice.repair.registry import budget_tokens, make_policy
-from kvsplice.reuse.discover import Discovery, SpanFinder
+from kvsplice.repair.shift import default_shift
+from kvsplice.reuse.discover import Discovery, FoundSpan, SeenSpan, SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, Promotion
 from kvsplice.reuse.place import move_kv
-from kvsplice.reuse.plan import Plan, Span, SpanKind, make_plan
 from kvsplice.reuse.repair_run import RepairRun
 from kvsplice.reuse.work import PrefillWork
 
@@ -67,7 +72,7 @@ class BorrowedSpan:
 
 
 # A marked segment that starts within this many tokens of the prompt's start (after an instruction, a
-# system line) is spliced from its lead KV where the store holds it (EngineConfig.segment_lead_kv),
+# system line) is spliced from its lead KV where the store holds it (reuse/store_fill.LEAD_KV),
 # computed after the head of the prompt that stored it: exact after the same head, and after another
 # one it misses only those few tokens, where the stored mean KV saw 1,024 tokens of other content.
 LEAD_HEAD_TOKENS = 64
@@ -86,6 +91,26 @@ class _KVSource(NamedTuple):
     blocks: Sequence[int]
     slot: int
     position: int
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What the reuse path found for a prompt before admission, as data: admission keys the request by
+    it (cache/segment_keys.py), then `prepare` splices what it found."""
+
+    # Spans found without markup after the plain prefix hit (None: no span finder).
+    discovery: Discovery | None
+    # Where the prompt's first marked segment ends if the store holds its lead KV computed after this
+    # very prompt head (spliced, a full prefill's KV); None otherwise.
+    exact_lead: int | None
+
+    @property
+    def first_found(self) -> int | None:
+        """Where the first span found without markup starts, if any."""
+        if self.discovery is None:
+            return None
+        starts = [s.start for s in self.discovery.reused] + [s.start for s in self.discovery.new]
+        return min(starts, default=None)
 
 
 @dataclass
@@ -138,8 +163,20 @@ class ReusePath:
         self.prefix_cache = prefix_cache
         self.finder = finder
         self.lower = lower
+        # The segment shift of repair: the model family's (repair/shift.py).
+        self.shift = default_shift(runner.cfg)
         if finder is not None:
             store.watch(finder)
+
+    def lookup(self, namespace: Hashable, prompt: ParsedPrompt, plain_hit: int) -> Lookup:
+        """What admission needs to key the prompt, found before it: spans found without markup where no
+        other reuse claims the prompt (not in its first `plain_hit` tokens, the prefix the cache holds
+        under plain ids, nor in a marked segment), and the exact lead KV of its first segment."""
+        discovery = None
+        if self.finder is not None:
+            covered = [(0, plain_hit), *((s.start, s.end) for s in prompt.segments)]
+            discovery = self.finder.find(namespace, prompt.token_ids, covered)
+        return Lookup(discovery, self._exact_lead(namespace, prompt))
 
     def prepare(
         self,
@@ -148,14 +185,16 @@ class ReusePath:
         settings: RepairSettings,
         block_table: Sequence[int],
         prefix_hit: int,
+        lookup: Lookup,
         approximate_from: int | None = None,
-        pending: Callable[[Hashable, tuple[int, ...]], PendingKV | None] = lambda namespace, tokens: None,
+        pending: Mapping[tuple[Hashable, tuple[int, ...]], PendingKV] | None = None,
     ) -> Prefill:
         """Plan, place and set up the repair of a prompt whose first `prefix_hit` tokens hold exact cached
-        KV in `block_table` (which has room for every prompt token). `approximate_from`: where the
-        request's segment keys start (None: plain ids); nothing before it is spliced, since the prefix
-        cache keeps that KV under plain ids. `pending`: where a segment whose copy into the store is
-        queued has its KV, if it is one."""
+        KV in `block_table` (which has room for every prompt token). `lookup`: what `lookup` found for
+        it before admission. `approximate_from`: where the request's segment keys start (None: plain
+        ids); nothing before it is spliced, since the prefix cache keeps that KV under plain ids.
+        `pending`: where each segment whose copy into the store is queued has its KV."""
+        pending = pending or {}
         n = len(prompt.token_ids)
         wanted = {
             index: prompt.segment_tokens(span)
@@ -174,7 +213,7 @@ class ReusePath:
         for index, tokens in wanted.items():
             span = prompt.segments[index]
             entry = self.store.lookup(namespace, tokens)
-            queued = pending(namespace, tokens) if entry is None else None
+            queued = pending.get((namespace, tokens)) if entry is None else None
             if entry is not None:
                 if entry.lead_blocks is not None and span.start <= LEAD_HEAD_TOKENS:
                     # At the prompt's start: the KV computed there (after a prompt's head).
@@ -200,13 +239,16 @@ class ReusePath:
         discovered: set[int] = set()
         borrowed: list[BorrowedSpan] = []
         if self.finder is not None:
-            # A span found before the segment keys start would put approximate KV under plain ids: only
-            # when the store gained it between admission and now, which is rare.
-            found = self._find(self.finder, namespace, prompt, max(prefix_hit, approximate_from or 0))
+            assert lookup.discovery is not None
+            # Nothing inside the cached prefix, nor before the segment keys start (spliced there, it
+            # would put approximate KV under plain ids).
+            found = _after(lookup.discovery, max(prefix_hit, approximate_from or 0), self.finder.min_tokens)
             index = len(prompt.segments)
             for reused in found.reused:
                 entry = self.store.lookup(namespace, reused.tokens)
-                assert entry is not None, "the finder indexes only what the store holds"
+                if entry is None:
+                    # Evicted since the lookup (admission and promotions allocate): computed instead.
+                    continue
                 position = self.store.start_position + reused.offset
                 sources[index] = _KVSource(entry.blocks, reused.offset, position)
                 available.append((reused.start, reused.end, index))
@@ -237,7 +279,7 @@ class ReusePath:
         spliced = plan.tokens(SpanKind.SPLICED)
         # The heads of found spans (plan.heads) were reused tokens: they count toward the budget.
         budget = (
-            max(0, budget_tokens(spliced + plan.heads, settings.ratio, settings.tokens) - plan.heads)
+            max(0, budget_tokens(spliced + plan.heads, settings.ratio) - plan.heads)
             if policy.budgeted
             else spliced
         )
@@ -248,8 +290,7 @@ class ReusePath:
                 budget,
                 self.runner.num_layers,
                 self.runner.cfg,
-                settings.target,
-                settings.shift,
+                self.shift,
                 settings.fallback_margin,
             ),
         )
@@ -272,7 +313,7 @@ class ReusePath:
             lead_missing=tuple(lead_missing),
         )
 
-    def exact_lead(self, namespace: Hashable, prompt: ParsedPrompt) -> int | None:
+    def _exact_lead(self, namespace: Hashable, prompt: ParsedPrompt) -> int | None:
         """Where the prompt's first marked segment ends, if the store holds its lead KV computed after
         this very prompt head: spliced, it is a full prefill's KV (unless it is dropped for memory
         before the plan; Request.indexable_len covers that)."""
@@ -283,23 +324,6 @@ class ReusePath:
         if entry is None or entry.lead_blocks is None or entry.lead_head != prompt.token_ids[: span.start]:
             return None
         return span.end
-
-    def first_found(self, namespace: Hashable, prompt: ParsedPrompt, prefix_hit: int) -> int | None:
-        """Where the first span found without markup after a prefix hit of `prefix_hit` tokens starts,
-        if the finder finds one (admission keys the request by it: cache/segment_keys.py)."""
-        if self.finder is None:
-            return None
-        found = self._find(self.finder, namespace, prompt, prefix_hit)
-        starts = [s.start for s in found.reused] + [s.start for s in found.new]
-        return min(starts, default=None)
-
-    @staticmethod
-    def _find(finder: SpanFinder, namespace: Hashable, prompt: ParsedPrompt, exact: int) -> Discovery:
-        """Spans found without markup where no other reuse claims the prompt: not in its first `exact`
-        tokens (the cached prefix), not in a marked segment."""
-        return finder.find(
-            namespace, prompt.token_ids, [(0, exact), *((s.start, s.end) for s in prompt.segments)]
-        )
 
     def _promote(self, namespace: Hashable, segments: list[tuple[int, ...]]) -> tuple[Promotion, ...]:
         """Load the segments the pool's store lacks from the tiers below, where they hold them."""
@@ -356,3 +380,19 @@ class ReusePath:
             delta.append(dst_pos - source.position - local)
         dst_slots = self.pool.slots(list(table), torch.cat(dst))
         move_kv(self.pool, self.runner.cfg, self.runner.freqs, torch.cat(src), dst_slots, torch.cat(delta))
+
+
+def _after(discovery: Discovery, start: int, min_tokens: int) -> Discovery:
+    """The spans found, cut to begin at `start` or later; a span left shorter than `min_tokens` goes."""
+    reused = [
+        FoundSpan(max(s.start, start), s.end, s.tokens, s.offset + max(0, start - s.start))
+        for s in discovery.reused
+        if s.end - max(s.start, start) >= min_tokens
+    ]
+    # A seen span's KV is the end of `earlier`: cutting its front leaves that as it is.
+    new = [
+        SeenSpan(max(s.start, start), s.end, s.earlier)
+        for s in discovery.new
+        if s.end - max(s.start, start) >= min_tokens
+    ]
+    return Discovery(reused, new)

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import torch
 
 from kvsplice.kv.context import LayerObserver
+from kvsplice.plan import SpanKind
 from kvsplice.repair.base import RepairPolicy, RepairTask
 from kvsplice.repair.shift import SegmentShift
-from kvsplice.reuse.plan import SpanKind
 from kvsplice.reuse.work import Pass
 from kvsplice.sampling import top_margin
 

@@ -5,7 +5,7 @@ context) is copied into blocks of the store's own, keys rotated to the canonical
 is computed twice: a new document costs one prefill, as with a prefix cache.
 
 The stored KV saw one context, and a spliced segment is wrong by how its new context differs
-from that one. With `EngineConfig.segment_contexts` = n > 1 the store then computes the segment after
+from that one. With `CONTEXTS` = n > 1 the store then computes the segment after
 n - 1 more contexts made of other segments it holds (`ContextSample`), and keeps the mean KV over all
 n: the mean is nearer to the KV of an unseen context than any one sample (the part of the KV that
 depends on which context preceded averages out), which is what repair starts from.
@@ -30,6 +30,12 @@ from kvsplice.kv.pool import KVPool
 from kvsplice.model_config import ModelConfig
 from kvsplice.reuse.place import move_kv
 from kvsplice.reuse.work import Pass, PrefillWork
+
+# Contexts a stored segment's KV is the mean over (1: the one it was stored with); docs/design.md says
+# why 4.
+CONTEXTS = 4
+# Whether a stored segment also keeps its KV computed at a prompt's start (`LeadFill`).
+LEAD_KV = True
 
 
 def capture_in_place(

@@ -179,7 +179,7 @@ class _EngineCollector(Collector):
         yield counter("kvsplice:segment_store_evictions", "Segments evicted", s.segment_evictions)
         yield counter(
             "kvsplice:segment_store_context_tokens",
-            "Tokens computed to give stored segments more contexts (segment_contexts), background work",
+            "Tokens computed to give stored segments more contexts (store_fill.CONTEXTS), background work",
             s.segment_sampled_tokens,
         )
         yield counter(
@@ -189,17 +189,17 @@ class _EngineCollector(Collector):
         )
         yield counter(
             "kvsplice:segment_store_lead_tokens",
-            "Tokens computed for stored segments' KV at a prompt's start (segment_lead_kv), background work",
+            "Tokens computed for stored segments' KV at a prompt's start (lead KV), background work",
             s.segment_lead_tokens,
         )
         yield counter(
             "kvsplice:segment_store_lead_hit_tokens",
-            "Segment tokens spliced from their KV at a prompt's start (segment_lead_kv)",
+            "Segment tokens spliced from their KV at a prompt's start (store_fill.LEAD_KV)",
             s.segment_lead_hit_tokens,
         )
         yield counter(
             "kvsplice:segment_store_lead_evictions",
-            "Lead KVs dropped for memory while their segment stayed stored (segment_lead_kv)",
+            "Lead KVs dropped for memory while their segment stayed stored (store_fill.LEAD_KV)",
             s.segment_lead_evictions,
         )
         yield gauge("kvsplice:segment_store_entries", "Segments stored", s.segment_entries)

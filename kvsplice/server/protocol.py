@@ -53,9 +53,6 @@ class _Common(BaseModel):
     cache_salt: str | None = None
     repair: str | None = None
     recompute_ratio: float | None = None
-    recompute_tokens: int | None = None
-    repair_target: float | None = None
-    repair_shift: float | None = None
     repair_fallback_margin: float | None = None
 
     def check_supported(self) -> None:
@@ -91,13 +88,10 @@ class _Common(BaseModel):
     def request_options(self) -> RequestOptions:
         """Raises InvalidRequestError for a bad value (a 400 for the client)."""
         return RequestOptions(
-            self.repair,
-            self.recompute_ratio,
-            self.recompute_tokens,
-            self.repair_target,
-            self.cache_salt,
-            self.repair_shift,
-            self.repair_fallback_margin,
+            repair=self.repair,
+            recompute_ratio=self.recompute_ratio,
+            repair_fallback_margin=self.repair_fallback_margin,
+            cache_salt=self.cache_salt,
         )
 
     @property

@@ -21,7 +21,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -35,22 +36,25 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_S = 0.02
 
 
+def _opt(help_text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": help_text}, **kwargs)
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
     # vLLM's rule: bind when the address has a wildcard (tcp://*:5557) or is ipc:// or inproc://,
     # connect otherwise (to a subscriber that binds, as llm-d's central indexer does).
-    endpoint: str = "tcp://*:5557"
-    # ROUTER socket for replays (always bound); None: no replay.
-    replay_endpoint: str | None = None
-    # The topic frame. llm-d parses "kv@<pod>@<model>"; vLLM's default is "".
-    topic: str = ""
-    # Batches kept for replay.
-    buffer_steps: int = 10_000
-    # PUB high-water mark: messages queued per subscriber before ZeroMQ drops them.
-    hwm: int = 100_000
-    # Batches waiting for the publisher thread before new ones are dropped.
-    max_queue: int = 100_000
-    data_parallel_rank: int = 0
+    endpoint: str = _opt("ZeroMQ address to publish KV events on, e.g. tcp://*:5557", default="tcp://*:5557")
+    replay_endpoint: str | None = _opt("ZeroMQ ROUTER address for replays (None: no replay)", default=None)
+    topic: str = _opt("topic frame of each message (llm-d reads kv@<pod>@<model>; vLLM's is '')", default="")
+    buffer_steps: int = _opt("batches kept for replay", default=10_000)
+    hwm: int = _opt(
+        "PUB high-water mark: messages queued per subscriber before ZeroMQ drops", default=100_000
+    )
+    max_queue: int = _opt(
+        "batches waiting for the publisher thread before new ones are dropped", default=100_000
+    )
+    data_parallel_rank: int = _opt("data-parallel rank in each event batch", default=0)
 
     def __post_init__(self) -> None:
         for address in (self.endpoint, self.replay_endpoint):

@@ -62,7 +62,7 @@ class TieredStore:
 
     @classmethod
     def from_config(cls, config: StoreConfig, fingerprint: KVFingerprint) -> TieredStore:
-        """Disk first, then Redis, as configured (none: a store that always misses). Raises
+        """Disk first, then Redis, as configured. Raises
         ConfigError at start-up if the directory is not writable or the Redis host does not resolve."""
         tiers: list[Tier] = []
         if config.store_dir is not None:
