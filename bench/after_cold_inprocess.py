@@ -54,7 +54,7 @@ def main() -> None:
     for pair in range(args.pairs):
         docs = [next(texts) for _ in range(6)]
         _run_until_done(engine, engine.add_request(_prompt(docs), PARAMS))
-        queued = engine.store_work.busy
+        queued = engine.background.busy
         order = rng.sample(docs, len(docs))
         right_after = _run_until_done(engine, engine.add_request(_prompt(order), PARAMS))
         while engine.has_unfinished():

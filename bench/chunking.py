@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvsplice.bench.results import cpu_name, load_average
-from kvsplice.cache.chunking import ChunkSizes, chunk_ends
-from kvsplice.cache.span_index import SpanIndex
 from kvsplice.loader.gguf import convert_gguf, default_model_path
 from kvsplice.loader.tokenizer import Tokenizer
+from kvsplice.reuse.chunking import ChunkSizes, chunk_ends
+from kvsplice.reuse.span_index import SpanIndex
 
 ROOT = Path(__file__).resolve().parent.parent
 MUSIQUE = ROOT.parent / "shared" / "data" / "musique_s.json"

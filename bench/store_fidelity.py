@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--repairs",
         nargs="+",
-        default=["none", "lead"],
+        default=["none", "attention"],
         help="repair policies at 15%%: none shows the stored KV's own error; a policy that ranks tokens "
         "may also choose other tokens from slightly different KV",
     )
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     load_start, t0 = load_average(), time.perf_counter()
     workload = make_workload("recall", WorkloadSpec(requests=args.requests, doc_counts=(8,)))
-    system = System("splice:lead@15", "radix", policy="lead", budget_pct=15)  # marks the documents
+    system = System("splice:attention@15", "radix", policy="attention", budget_pct=15)  # marks the documents
     warm = [prompt_parts(system, r) for r in workload.requests if r.warmup]
     measured = [prompt_parts(system, r) for r in workload.measured]
     docs = {d.text for r in workload.requests if r.warmup for d in r.docs}

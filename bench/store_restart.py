@@ -31,7 +31,7 @@ from kvsplice.bench.metrics import RequestRecord
 from kvsplice.bench.results import BenchResult
 from kvsplice.bench.server_process import redis_server
 
-SYSTEM = "splice:lead@15"
+SYSTEM = "splice:attention@15"
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from kvsplice import LLM, SamplingParams
 from kvsplice.bench.results import cpu_name, load_average
 from kvsplice.bench.server_process import redis_server
 from kvsplice.loader.gguf import convert_gguf, default_model_path
-from kvsplice.store import (
+from kvsplice.tiers import (
     DiskTier,
     KVFingerprint,
     RedisTier,
@@ -46,7 +46,7 @@ from kvsplice.store import (
     encode_entry,
     entry_key,
 )
-from kvsplice.store.breaker import CircuitBreaker
+from kvsplice.tiers.breaker import CircuitBreaker
 
 TARGET = 0.25  # a disk or Redis hit of a 1K-token segment should cost at most this share of a recompute
 

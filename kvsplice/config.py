@@ -15,8 +15,8 @@ import torch
 from kvsplice.cache.registry import PREFIX_CACHE_NAMES
 from kvsplice.errors import ConfigError
 from kvsplice.repair.registry import POLICY_NAMES
-from kvsplice.store.config import StoreConfig
-from kvsplice.store.publisher import KVEventsConfig
+from kvsplice.tiers.config import StoreConfig
+from kvsplice.tiers.publisher import KVEventsConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,7 +55,9 @@ class EngineConfig:
         "requests queued beyond the running ones before new ones are refused", default=256
     )
     prefix_cache: str = _opt("prefix cache: hash (vLLM), radix (SGLang) or off", default="radix")
-    repair: str = _opt("repair policy for reused segments (docs/design.md says why lead)", default="lead")
+    repair: str = _opt(
+        "repair policy for reused segments (docs/design.md says why attention)", default="attention"
+    )
     recompute_ratio: float = _opt("repair budget as a fraction of the reused segment tokens", default=0.15)
     repair_fallback_margin: float = _opt(
         "prefill in full a request whose first token, after repair, leads its runner-up by less than this "

@@ -19,7 +19,7 @@ class RequestMetrics:
     # KV of marked segments reused from the segment store: moved to new positions, then repaired.
     segment_hit_tokens: int = 0
     # Of those, the tokens spliced from a segment's lead KV computed after this very prompt head
-    # (reuse/store_fill.LEAD_KV): a full prefill's KV, which repair leaves alone.
+    # (reuse/segment_kv.LEAD_KV): a full prefill's KV, which repair leaves alone.
     segment_lead_tokens: int = 0
     # Segment tokens this request loaded into the pool from a tier below it (disk, Redis), by tier,
     # and the seconds spent loading them (before its prefill could start).

@@ -29,7 +29,7 @@ class Span:
     # For SPLICED spans: the segment was found without markup (reuse/discover.py), not marked.
     discovered: bool = False
     # For SPLICED spans: the KV is the segment's lead KV computed after the very tokens before it here,
-    # so it is a full prefill's (reuse/prefill.py).
+    # so it is a full prefill's (reuse/path.py).
     lead_kv: bool = False
 
     def __len__(self) -> int:

@@ -198,14 +198,14 @@ def test_top1_where_the_full_prefill_is_sure() -> None:
     records = []
     for i, (ref_logits, logits) in enumerate([(torn, flipped), (sure, sure), (sure, flipped)]):
         reference = _record("off", f"r{i}", "8 docs", "first", True)
-        record = _record("splice:lead@15", f"r{i}", "8 docs", "first", True)
+        record = _record("splice:attention@15", f"r{i}", "8 docs", "first", True)
         compare(record, reference, logits, ref_logits)
         records += [reference, record]
     assert [r.reference_margin for r in records[1::2]] == pytest.approx([0.1, 0.5, 0.5])
-    row = {r.system: r for r in by_group(records, ["off", "splice:lead@15"])}["splice:lead@15"]
+    row = {r.system: r for r in by_group(records, ["off", "splice:attention@15"])}["splice:attention@15"]
     # Two flips in three; of the two sure requests one flipped.
     assert row.top1_rate == pytest.approx(1 / 3) and (row.top1_sure_rate, row.sure) == (0.5, 2)
-    assert "| 50% (2) |" in breakdown_tables(by_group(records, ["off", "splice:lead@15"]), "off")
+    assert "| 50% (2) |" in breakdown_tables(by_group(records, ["off", "splice:attention@15"]), "off")
 
 
 def test_report_shows_the_breakdown_and_round_trips(tmp_path: Path) -> None:

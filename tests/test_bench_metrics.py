@@ -204,27 +204,27 @@ def test_system_names_expand_without_pointless_duplicates() -> None:
     sweep = parse_systems(["splice"], SWEEP_BUDGETS)
     assert len(sweep) == 1 + 3 + len(between) * 4
     # A fallback margin suffix: the same policy and budget, a system of its own.
-    plain, gated = parse_systems(["splice:lead@15", "splice:lead@15+fallback0.03"])[1:]
+    plain, gated = parse_systems(["splice:attention@15", "splice:attention@15+fallback0.03"])[1:]
     assert (gated.fallback_margin, gated.recompute_ratio, gated.name) == (
         0.03,
         0.15,
-        "splice:lead@15+fallback0.03",
+        "splice:attention@15+fallback0.03",
     )
     assert plain.fallback_margin is None and gated.cache_salt != plain.cache_salt
-    assert name_parts("splice:lead@15+fallback0.03/plain") == ("lead", "15", "+fallback0.03/plain")
+    assert name_parts("splice:attention@15+fallback0.03/plain") == ("attention", "15", "+fallback0.03/plain")
     assert name_parts("splice:adaptive") == ("adaptive", "", "") and name_parts("radix") == ("radix", "", "")
     bad_names = ("lru", "splice:nope", "splice:deviation@x", "splice:deviation@150", "splice:adaptive@0.02")
     bad_suffixes = (
         "radix+fallback0.1",
-        "splice:lead@15+fallback2",
-        "splice:lead@15+fallbackx",
-        "splice:lead@15+gate1",
+        "splice:attention@15+fallback2",
+        "splice:attention@15+fallbackx",
+        "splice:attention@15+gate1",
     )
     for bad in (
         *bad_names,
         *bad_suffixes,
-        "splice:lead@15+shift0.5",
-        "splice:lead@15+fallback0+fallback0.1",
+        "splice:attention@15+shift0.5",
+        "splice:attention@15+fallback0+fallback0.1",
     ):
         with pytest.raises(ValueError):
             parse_systems([bad])
@@ -300,7 +300,7 @@ def test_summary_rerenders_runs_and_draws_reuse_by_workload(
 
 
 def test_kv_pools_keep_the_prefix_cache_engines_whole_and_cut_the_shared_one() -> None:
-    from kvsplice.bench.runner import split_pools
+    from kvsplice.bench.harness import split_pools
 
     need = {"off": 10, "hash": 100, "radix": 100, "splice": 1000}
     floor = {"off": 10, "hash": 10, "radix": 10, "splice": 300}

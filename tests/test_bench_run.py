@@ -13,7 +13,7 @@ from kvsplice.bench.systems import default_systems
 from kvsplice.cli import main
 from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine
-from kvsplice.reuse import store_fill
+from kvsplice.reuse import segment_kv
 from tests import tiny_models
 
 SMALL = WorkloadSpec(requests=2, docs=3, pool=4, turns=3, doc_words=40)
@@ -160,7 +160,7 @@ def test_a_capped_pool_is_noted_and_its_evictions_reported(tiny_dir: Path) -> No
 
 def test_a_run_after_a_restart_loads_the_documents_from_the_disk_tier(tiny_dir: Path, tmp_path: Path) -> None:
     store = tmp_path / "store"
-    systems = ("splice:lead@15",)
+    systems = ("splice:attention@15",)
     first = run_bench(_config("rag", tiny_dir, systems=systems, engine=_store_engine(tiny_dir, store)))
     # The first process wrote every document to disk; only the splice engine has tiers.
     assert set(first.tier_stats) == {"splice"}
@@ -172,7 +172,7 @@ def test_a_run_after_a_restart_loads_the_documents_from_the_disk_tier(tiny_dir: 
         _config("rag", tiny_dir, systems=systems, engine=_store_engine(tiny_dir, store), skip_warmup=True)
     )
     assert not any(r.warmup for r in again.records)
-    spliced = [r for r in again.records if r.system == "splice:lead@15"]
+    spliced = [r for r in again.records if r.system == "splice:attention@15"]
     assert sum(r.store_hit_tokens.get("disk", 0) for r in spliced) > 0
     assert all(r.store_hit_tokens.get("disk", 0) <= r.segment_hit_tokens for r in spliced)
     assert spliced[0].store_load_s > 0
@@ -181,7 +181,7 @@ def test_a_run_after_a_restart_loads_the_documents_from_the_disk_tier(tiny_dir: 
     assert disk["hits"] == SMALL.pool and disk["misses"] == 0
     # Loaded documents are not store fill: nothing was missed, so nothing was put in the store.
     assert all(r.store_tokens == 0 for r in spliced)
-    summary = {s.system: s for s in again.summaries}["splice:lead@15"]
+    summary = {s.system: s for s in again.summaries}["splice:attention@15"]
     assert summary.tier_hit_frac["disk"] > 0 and summary.store_load_mean_s is not None
     assert again.tier_stats["splice"]["disk"]["hits"] > 0
     assert again.tier_stats["splice"]["disk"]["corrupt"] == 0
@@ -206,17 +206,17 @@ def test_extra_segment_contexts_are_noted_with_their_cost(
     """The note says what the extra contexts cost. The tiny model has no tokenizer, so no canonical
     context to vary: no context is computed (the default model's: tests/test_segment_contexts.py)."""
     engine = EngineConfig(model=str(tiny_dir), num_threads=1)
-    monkeypatch.setattr(store_fill, "CONTEXTS", 3)
-    result = run_bench(_config("rag", tiny_dir, systems=("splice:lead@15",), engine=engine))
+    monkeypatch.setattr(segment_kv, "CONTEXTS", 3)
+    result = run_bench(_config("rag", tiny_dir, systems=("splice:attention@15",), engine=engine))
     assert all(r.ok for r in result.records)
     note = next(n for n in result.notes if n.startswith("segment_contexts=3"))
     assert " 0 tokens" in note and "0% of the measured" in note and "0 contexts dropped" in note
-    monkeypatch.setattr(store_fill, "CONTEXTS", 1)
-    plain = run_bench(_config("rag", tiny_dir, systems=("splice:lead@15",), engine=engine))
+    monkeypatch.setattr(segment_kv, "CONTEXTS", 1)
+    plain = run_bench(_config("rag", tiny_dir, systems=("splice:attention@15",), engine=engine))
     assert not any(n.startswith("segment_contexts") for n in plain.notes)
 
 
 def test_the_model_familys_segment_shift_is_noted(tiny_dir: Path) -> None:
     """A Gemma 3 engine repairs with the segment shift: the report says so."""
-    default = run_bench(_config("rag", tiny_dir, systems=("splice:lead@15",)))
+    default = run_bench(_config("rag", tiny_dir, systems=("splice:attention@15",)))
     assert any("segment shift at 0.5" in n for n in default.notes)

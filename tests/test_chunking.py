@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsplice.cache.chunking import GEAR, ChunkSizes, chunk_ends
+from kvsplice.reuse.chunking import GEAR, ChunkSizes, chunk_ends
 
 # Small sizes, so that short streams hold many chunks.
 SIZES = ChunkSizes(8, 16, 32)

@@ -106,12 +106,12 @@ def test_budget(spliced: int, ratio: float, expected: int) -> None:
 
 
 def test_lead_probes_the_question_and_recomputes_what_it_attends_to() -> None:
-    from kvsplice.repair.query import QueryAttentionObserver, probe_layers
+    from kvsplice.repair.attention import QueryAttentionObserver, probe_layers
 
     cfg = tiny_models.llama_config()
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
     task = RepairTask(plan, 2, num_layers=4, model=cfg)
-    policy = make_policy("lead")
+    policy = make_policy("attention")
     probe = policy.decide(task).probe
     assert probe is not None and probe.positions == () and not probe.resume
     # Every layer is global: the first at or past a quarter of the depth (of 4 layers, layer 1).
@@ -136,7 +136,7 @@ def test_after_a_question_probe_only_the_question_runs_the_probe_layers_again() 
 
     def passes(score: list[float]) -> list[tuple[tuple[int, ...], range]]:
         run = RepairRun(
-            make_policy("lead"), RepairTask(plan, 2, num_layers=4, model=tiny_models.llama_config())
+            make_policy("attention"), RepairTask(plan, 2, num_layers=4, model=tiny_models.llama_config())
         )
         run.first.observer.score = torch.tensor(score)  # type: ignore[union-attr]
         found = [run.first]
@@ -172,7 +172,9 @@ def test_a_new_document_after_the_last_reused_one_is_not_the_question() -> None:
     assert make_plan(12, 2, [(2, 5, 0)]).question() == tuple(range(5, 12))
     # A prompt that ends with its last marked segment: the question is at least the last token.
     assert make_plan(12, 2, [(2, 5, 0)], question_from=12).question() == (11,)
-    run = RepairRun(make_policy("lead"), RepairTask(plan, 1, num_layers=4, model=tiny_models.llama_config()))
+    run = RepairRun(
+        make_policy("attention"), RepairTask(plan, 1, num_layers=4, model=tiny_models.llama_config())
+    )
     assert run.first.observer._watched.nonzero().squeeze(1).tolist() == [9, 10, 11]  # type: ignore[union-attr]
     run.first.observer.score = torch.tensor([9.0, 9, 0.1, 3, 0.2, 9, 9, 9, 9, 9, 9, 9])  # type: ignore[union-attr]
     runs = [(run.first.positions, run.first.layers)]
@@ -185,7 +187,7 @@ def test_a_new_document_after_the_last_reused_one_is_not_the_question() -> None:
 
 def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_back() -> None:
     from kvsplice.repair.adaptive import TARGET, AdaptiveRepair
-    from kvsplice.repair.query import QueryAttentionObserver
+    from kvsplice.repair.attention import QueryAttentionObserver
     from kvsplice.sampling import kl_divergence
 
     cfg = tiny_models.llama_config()
@@ -238,7 +240,7 @@ def test_adaptive_doubles_its_repair_until_the_answer_stops_moving_then_falls_ba
 def test_lead_recomputes_the_first_reused_segment_first_then_by_the_question() -> None:
     cfg = tiny_models.llama_config()
     plan = make_plan(12, 2, [(2, 5, 0), (6, 9, 1)])
-    policy = make_policy("lead")
+    policy = make_policy("attention")
     # The question attends most to 8 and 7; the lead segment (2..4) goes first whatever it scores, up
     # to half the budget, its own tokens by the question's attention (4, then 3, then 2).
     scores = torch.tensor([9.0, 9, 0.1, 0.2, 0.3, 9, 0.4, 5, 6, 9, 9, 9])
@@ -259,9 +261,9 @@ def test_lead_recomputes_the_first_reused_segment_first_then_by_the_question() -
 
 @given(prompts(), st.data())
 def test_leads_choice_is_the_oracles_and_nested_in_its_budget(case, data) -> None:
-    """lead_choice against a brute-force statement of lead's rule, at every budget; the adaptive policy
+    """attention_choice against a brute-force statement of lead's rule, at every budget; the adaptive policy
     relies on the choice at a budget holding the choice at every smaller one."""
-    from kvsplice.repair.query import LEAD_SHARE, lead_choice
+    from kvsplice.repair.attention import FIRST_SEGMENT_SHARE, attention_choice
 
     n, prefix, segments = case
     # The first segment spliced from its lead KV (computed at a prompt's start) neither leads nor is
@@ -281,10 +283,10 @@ def test_leads_choice_is_the_oracles_and_nested_in_its_budget(case, data) -> Non
         led: list[int] = []
         if first.segment == 0 and not lead_kv:
             own = sorted(range(first.start, first.end), key=lambda p: -score[p])
-            led = own[: int(LEAD_SHARE * budget)]
+            led = own[: int(FIRST_SEGMENT_SHARE * budget)]
         rest = sorted((p for p in candidates if p not in led), key=lambda p: -score[p])
         want = tuple(sorted(led + rest[: budget - len(led)]))
-        got = lead_choice(plan, score, budget)
+        got = attention_choice(plan, score, budget)
         assert got == want
         assert earlier <= set(got)
         earlier = set(got)
@@ -292,7 +294,7 @@ def test_leads_choice_is_the_oracles_and_nested_in_its_budget(case, data) -> Non
 
 def test_each_adaptive_round_recomputes_leads_choice_at_its_budget_afresh() -> None:
     from kvsplice.repair.adaptive import AdaptiveRepair
-    from kvsplice.repair.query import lead_choice
+    from kvsplice.repair.attention import attention_choice
 
     # Two reused segments of 50 (positions 1..50, 51..100) and a question (101..103); the question
     # attends most to the second segment's tokens, so only lead's half-share reaches the first.
@@ -309,7 +311,7 @@ def test_each_adaptive_round_recomputes_leads_choice_at_its_budget_afresh() -> N
     # Round 1 is lead's choice at 15: the first segment's seven most attended (44..50), then 93..100.
     assert rounds[0] == (*range(44, 51), *range(93, 101))
     # Round 2 is lead's choice at 30, round 1's tokens with it.
-    assert rounds[1] == lead_choice(plan, score, 30) == (*range(36, 51), *range(86, 101))
+    assert rounds[1] == attention_choice(plan, score, 30) == (*range(36, 51), *range(86, 101))
     # A third would take 60, past half the reused tokens: every reused token instead.
     assert policy.refine(task, a) == tuple(range(1, 101))
 
@@ -327,7 +329,8 @@ def test_repair_passes_carry_the_segment_shift_of_the_approximate_segments() -> 
     assert RepairRun(make_policy("boundary"), RepairTask(plan, 2, num_layers=4)).first.shift is None
     # A pass that recomputes no spliced token shifts nothing (the question probe's first pass).
     probe = RepairRun(
-        make_policy("lead"), RepairTask(plan, 2, num_layers=4, model=tiny_models.llama_config(), shift=0.5)
+        make_policy("attention"),
+        RepairTask(plan, 2, num_layers=4, model=tiny_models.llama_config(), shift=0.5),
     )
     assert probe.first.shift is None
 
@@ -353,7 +356,7 @@ def test_each_adaptive_round_leaves_alone_what_earlier_rounds_recomputed() -> No
     assert second.shift.fresh == dict.fromkeys(range(4), round_one)
 
 
-@pytest.mark.parametrize("name", ["boundary", "deviation", "lead", "adaptive"])
+@pytest.mark.parametrize("name", ["boundary", "deviation", "attention", "adaptive"])
 @pytest.mark.parametrize("budget", [1, 3, 6])
 def test_no_policy_recomputes_tokens_spliced_from_lead_kv(name: str, budget: int) -> None:
     """A segment spliced from its lead KV computed after the same head holds a full prefill's KV: budget

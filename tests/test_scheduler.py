@@ -51,7 +51,7 @@ BUDGETS = (4096, 8, 7)
         "prefix_hit",
         "spliced_none",
         "spliced_deviation",
-        "spliced_lead",
+        "spliced_attention",
         "spliced_adaptive",
         "spliced_boundary",
         "spliced_full",
@@ -167,7 +167,7 @@ def test_a_shift_sample_that_does_not_fit_waits_for_a_later_step(model_dir: Path
     engine = _llm(model_dir, budget, prefix_cache="radix", long_prefill_token_threshold=4).engine
     if not engine.reuse.shift:
         pytest.skip("the model family repairs without the segment shift")
-    options = RequestOptions(repair="lead", recompute_ratio=0.5)
+    options = RequestOptions(repair="attention", recompute_ratio=0.5)
     engine.add_request(_parts([0, 1, 2]), ONE, options)
     _drive(engine)
     for order in ([2, 0, 1], [1, 2, 0], [2, 1, 0]):

@@ -14,8 +14,8 @@ from kvsplice.cache.segments import SegmentStore
 from kvsplice.kv import rope
 from kvsplice.kv.allocator import BlockAllocator
 from kvsplice.prompt import parse_prompt
-from kvsplice.reuse import store_fill
-from kvsplice.reuse.store_fill import ContextPiece, sample_context
+from kvsplice.reuse import segment_kv
+from kvsplice.reuse.segment_kv import ContextPiece, sample_context
 
 DOCS = [
     "The Larkspur Observatory\nThe Larkspur Observatory stands on a ridge above the town of Emmerich. "
@@ -66,7 +66,7 @@ def _stored(llm: LLM, tokens: tuple[int, ...]) -> tuple[int, torch.Tensor, torch
 
 @pytest.mark.slow
 def test_stored_kv_is_the_mean_over_its_contexts(default_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(store_fill, "CONTEXTS", 3)
+    monkeypatch.setattr(segment_kv, "CONTEXTS", 3)
     llm = LLM(prefix_cache="off", auto_segments=False, repair="none", kv_cache_gb=0.3)
     engine, store = llm.engine, llm.engine.segment_store
     context = store.context
@@ -204,8 +204,8 @@ def test_closing_before_the_contexts_still_writes_the_segment(default_model_dir,
     """A segment goes to the tiers below once its last context is folded in; closed before that, it
     goes with the contexts it has, rather than never."""
     llm = LLM(prefix_cache="off", auto_segments=False, store={"store_dir": str(tmp_path)}, kv_cache_gb=0.3)
-    assert store_fill.CONTEXTS == 4
+    assert segment_kv.CONTEXTS == 4
     llm.generate([_prompt(0)], ONE)
-    assert llm.engine.store_work.busy
+    assert llm.engine.background.busy
     llm.close()
     assert len(list(tmp_path.glob("*.kv"))) == 1

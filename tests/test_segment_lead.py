@@ -1,4 +1,4 @@
-"""Lead KV (reuse/store_fill.LEAD_KV): each stored segment's KV computed at a prompt's start, spliced
+"""Lead KV (reuse/segment_kv.LEAD_KV): each stored segment's KV computed at a prompt's start, spliced
 where a prompt starts with the segment. On the default model, against plain prefills; without a model,
 the store gives the lead blocks back with the entry."""
 
@@ -10,8 +10,8 @@ import torch
 from kvsplice import LLM, RequestOptions, SamplingParams, Segment
 from kvsplice.cache.segments import SegmentEntry, SegmentStore
 from kvsplice.kv.allocator import BlockAllocator
-from kvsplice.reuse import store_fill
-from kvsplice.reuse.prefill import LEAD_HEAD_TOKENS
+from kvsplice.reuse import segment_kv
+from kvsplice.reuse.path import LEAD_HEAD_TOKENS
 
 DOC_A = (
     "The Larkspur Observatory\nThe Larkspur Observatory stands on a ridge above the town of Emmerich. "
@@ -89,7 +89,7 @@ def test_a_prompt_that_starts_with_a_segment_is_spliced_exactly(lead: LLM, llm: 
     # Spliced from lead KV, but not a full prefill's: not counted as exact.
     assert other_head.metrics.segment_hit_tokens > 0 and other_head.metrics.segment_lead_tokens == 0
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(store_fill, "LEAD_KV", False)
+        patch.setattr(segment_kv, "LEAD_KV", False)
         without = _warm()
     assert not any(e.lead_blocks for e in without.engine.segment_store._entries.values())
     mean_kv = _kl(full, without.generate([prompt], PARAMS)[0].first_logits)
@@ -181,7 +181,7 @@ def test_a_dropped_lead_kv_is_computed_again_where_a_prompt_opens_with_it(defaul
         llm.engine.step()
     assert doc_a.lead_blocks is not None
     # Other repair settings: the prefix cache does not hold this prompt's KV under their segment keys.
-    again = llm.generate([[HEAD, Segment(DOC_A), QUESTION]], PARAMS, RequestOptions(repair="lead"))[0]
+    again = llm.generate([[HEAD, Segment(DOC_A), QUESTION]], PARAMS, RequestOptions(repair="attention"))[0]
     assert again.metrics.segment_lead_tokens == again.metrics.segment_hit_tokens > 0
     llm.close()
 
@@ -189,7 +189,7 @@ def test_a_dropped_lead_kv_is_computed_again_where_a_prompt_opens_with_it(defaul
 @pytest.mark.slow
 def test_prompts_admitted_together_queue_one_lead_fill(default_model_dir) -> None:
     llm = _warm()
-    work = llm.engine.store_work
+    work = llm.engine.background
     doc_a = _drop_doc_a_lead(llm)
     # Both prompts open with DOC_A, so both prefills report its lead KV missing; one fill computes it.
     prompts = [[HEAD, Segment(DOC_A), q] for q in (QUESTION, "Question: Where is the observatory?\nAnswer:")]

@@ -29,7 +29,7 @@ from kvsplice.loader.gguf_weights import hf_tensor_name
 from kvsplice.loader.model_files import resolve_model_dir, smollm2_gguf_path
 from kvsplice.loader.tokenizer import Tokenizer
 from kvsplice.model_config import ModelConfig
-from kvsplice.repair.query import probe_layers
+from kvsplice.repair.attention import probe_layers
 from tests.test_gguf_loader import gpt2_byte_spelling
 
 PROMPTS = [

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsplice.cache import span_index
-from kvsplice.cache.chunking import ChunkSizes, chunk_ends
-from kvsplice.cache.span_index import SpanIndex, SpanMatch
+from kvsplice.reuse import span_index
+from kvsplice.reuse.chunking import ChunkSizes, chunk_ends
+from kvsplice.reuse.span_index import SpanIndex, SpanMatch
 
 # Small chunks and anchors, so short streams exercise the guarantee: max_len + anchor_len - 1 = 35.
 SIZES = ChunkSizes(8, 16, 32)

@@ -83,7 +83,7 @@ def test_segment_at_its_canonical_place_equals_the_prefix_cached_request(model_d
         ("none", [0.0]),
         ("boundary", [0.1, 0.3]),
         ("deviation", [0.1, 0.3]),
-        ("lead", [0.1, 0.3]),
+        ("attention", [0.1, 0.3]),
     ],
 )
 def test_metrics_add_up_and_recompute_stays_in_budget(
@@ -305,7 +305,7 @@ def test_a_request_admitted_before_the_copy_moves_the_kv_from_where_it_was_compu
     while not (first_step := engine.step()):
         pass
     (first,) = first_step
-    assert first.output is not None and engine.store_work.holds_blocks
+    assert first.output is not None and engine.background.holds_blocks
     engine.add_request(warm, params, request_id="next")
     # Admitted and prefilled (a probe pass, then the repair) before any copy: no step with a prefill in
     # it does background work.
@@ -319,7 +319,7 @@ def test_a_request_admitted_before_the_copy_moves_the_kv_from_where_it_was_compu
     while engine.has_unfinished():
         done = next((o.output for o in engine.step() if o.output is not None), done)
         stored.append(len(engine.segment_store))
-    assert done is not None and not engine.store_work.holds_blocks
+    assert done is not None and not engine.background.holds_blocks
     steps = zip([0, *stored[:-1]], stored, strict=True)
     assert stored[-1] == 2 and all(b - a <= 1 for a, b in steps), "one segment's copy a step"
     assert done.metrics.segment_hit_tokens == want.metrics.segment_hit_tokens == len(DOCS[0]) + len(DOCS[1])
@@ -342,12 +342,12 @@ def test_background_copies_go_one_segment_a_step_whatever_the_budget(model_dir: 
     )
     while not engine.step():
         pass
-    assert engine.store_work.holds_blocks and len(engine.segment_store) == 0
+    assert engine.background.holds_blocks and len(engine.segment_store) == 0
     sizes = []
     while engine.has_unfinished():
         engine.step()
         sizes.append(len(engine.segment_store))
-    assert sizes == [1, 2, 3] and not engine.store_work.holds_blocks
+    assert sizes == [1, 2, 3] and not engine.background.holds_blocks
 
 
 def test_queued_copies_give_their_blocks_back_when_a_request_needs_the_memory(model_dir: Path) -> None:
@@ -356,13 +356,13 @@ def test_queued_copies_give_their_blocks_back_when_a_request_needs_the_memory(mo
     capacity = engine.pool.num_blocks
     engine.add_request([SYSTEM, Segment(DOCS[2]), QUESTION], SamplingParams(max_tokens=1))
     engine.step()
-    assert engine.store_work.holds_blocks
+    assert engine.background.holds_blocks
     # A request that needs nearly the whole pool: admitted only once the copy has given the blocks back.
     long = [7] * ((capacity - 4) * engine.pool.block_size - 2)
     engine.add_request(long, SamplingParams(max_tokens=1), request_id="long")
     assert engine.pool.allocator.num_free < capacity - 4
     engine.step()
-    assert not engine.store_work.holds_blocks and [r.request_id for r in engine.scheduler.running] == ["long"]
+    assert not engine.background.holds_blocks and [r.request_id for r in engine.scheduler.running] == ["long"]
 
 
 def test_the_segment_shift_is_the_model_familys(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

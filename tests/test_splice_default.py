@@ -70,9 +70,9 @@ def test_repair_brings_the_answer_distribution_closer(spliced: LLM, llm: LLM) ->
                 0
             ].first_logits,
         )
-        for policy in ("none", "lead", "full")
+        for policy in ("none", "attention", "full")
     }
-    assert kl["full"] < 1e-4 < kl["lead"] < kl["none"], kl
+    assert kl["full"] < 1e-4 < kl["attention"] < kl["none"], kl
 
 
 def test_adaptive_repair_at_target_zero_falls_back_to_the_full_prefill(
@@ -102,20 +102,22 @@ def test_a_near_tie_after_repair_falls_back_to_the_full_prefill(spliced: LLM, ll
     # document's exact KV in the prefix cache; the ones compared after them see the same caches. Each
     # margin is a repair setting of its own, so no request reuses another's spliced prefix.
     for warm in (0.0, 1e-9):
-        spliced.generate([_prompt(order)], PARAMS, RequestOptions(repair="lead", repair_fallback_margin=warm))
-    options = RequestOptions(repair="lead", repair_fallback_margin=1e-8)
+        spliced.generate(
+            [_prompt(order)], PARAMS, RequestOptions(repair="attention", repair_fallback_margin=warm)
+        )
+    options = RequestOptions(repair="attention", repair_fallback_margin=1e-8)
     lead = spliced.generate([_prompt(order)], PARAMS, options)[0]
     assert lead.first_logits is not None and not lead.metrics.repair_fallback
     top = lead.first_logits.softmax(-1).topk(2).values
     margin = float(top[0] - top[1])
     assert _kl(want.first_logits, lead.first_logits) > 1e-4, "lead alone is not exact here"
     sure = spliced.generate(
-        [_prompt(order)], PARAMS, RequestOptions(repair="lead", repair_fallback_margin=margin / 2)
+        [_prompt(order)], PARAMS, RequestOptions(repair="attention", repair_fallback_margin=margin / 2)
     )
     assert not sure[0].metrics.repair_fallback
     torch.testing.assert_close(sure[0].first_logits, lead.first_logits)
     (torn,) = spliced.generate(
-        [_prompt(order)], PARAMS, RequestOptions(repair="lead", repair_fallback_margin=1.0)
+        [_prompt(order)], PARAMS, RequestOptions(repair="attention", repair_fallback_margin=1.0)
     )
     m = torn.metrics
     assert m.repair_fallback and m.segment_hit_tokens > 0

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import kvsplice.store.disk as disk_module
+import kvsplice.tiers.disk as disk_module
 from kvsplice.errors import ConfigError
-from kvsplice.store import DiskTier, TieredStore, encode_entry, entry_key
+from kvsplice.tiers import DiskTier, TieredStore, encode_entry, entry_key
 from tests.test_store_support import assert_same_kv, fingerprint, segment
 
 FP = fingerprint()

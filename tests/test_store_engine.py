@@ -19,8 +19,8 @@ from kvsplice.config import EngineConfig
 from kvsplice.errors import ConfigError
 from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
-from kvsplice.store import router_block_hashes, segment_hash
-from kvsplice.store.config import StoreConfig
+from kvsplice.tiers import router_block_hashes, segment_hash
+from kvsplice.tiers.config import StoreConfig
 from tests import tiny_models
 from tests.test_store_events import decode_batch
 from tests.test_store_support import RedisServer
@@ -151,7 +151,7 @@ def test_closing_right_after_the_first_request_still_writes_its_segments(
     a = make_llm(model_dir, store={"store_dir": str(tmp_path / "store")})
     # One token: the request finishes in the step that prefilled it, before any step could copy.
     a.generate([prompt([0, 1])], SamplingParams(max_tokens=1, temperature=0.0))
-    assert a.engine.store_work.busy
+    assert a.engine.background.busy
     a.close()
     assert len(list((tmp_path / "store").glob("*.kv"))) == 2
     got = run(make_llm(model_dir, store={"store_dir": str(tmp_path / "store")}), [1, 0])

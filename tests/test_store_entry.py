@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from kvsplice.store import CorruptEntryError, LayerKV, SegmentKV, decode_entry, encode_entry, entry_key
-from kvsplice.store.entry import DIGEST_BYTES
+from kvsplice.tiers import CorruptEntryError, LayerKV, SegmentKV, decode_entry, encode_entry, entry_key
+from kvsplice.tiers.entry import DIGEST_BYTES
 from tests.test_store_support import assert_same_kv, fingerprint, random_kv, segment
 
 FP = fingerprint()

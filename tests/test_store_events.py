@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from kvsplice.errors import ConfigError
-from kvsplice.store import (
+from kvsplice.tiers import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from kvsplice.errors import ConfigError
-from kvsplice.store import DiskTier, RedisTier, StoreConfig, TieredStore, encode_entry, entry_key
-from kvsplice.store.breaker import CircuitBreaker
-from kvsplice.store.remote import KEY_PREFIX
+from kvsplice.tiers import DiskTier, RedisTier, StoreConfig, TieredStore, encode_entry, entry_key
+from kvsplice.tiers.breaker import CircuitBreaker
+from kvsplice.tiers.remote import KEY_PREFIX
 from tests.test_store_support import RedisServer, assert_same_kv, fingerprint, segment
 
 FP = fingerprint()

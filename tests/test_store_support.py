@@ -13,7 +13,7 @@ import pytest
 import redis
 import torch
 
-from kvsplice.store import KVFingerprint, SegmentKV
+from kvsplice.tiers import KVFingerprint, SegmentKV
 
 LAYERS, HEADS, DIM = 4, 2, 8
 

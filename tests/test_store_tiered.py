@@ -9,8 +9,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvsplice.store import DiskTier, Tier, TieredStore, register_store_metrics
-from kvsplice.store.breaker import CircuitBreaker
+from kvsplice.tiers import DiskTier, Tier, TieredStore, register_store_metrics
+from kvsplice.tiers.breaker import CircuitBreaker
 from tests.test_store_support import fingerprint, segment
 
 FP = fingerprint()

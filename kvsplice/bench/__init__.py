@@ -11,11 +11,11 @@ them. Analyses across recorded runs are scripts under bench/analyses/, outside t
 """
 
 from kvsplice.bench.base import BenchRequest, Doc, Workload, WorkloadSpec
+from kvsplice.bench.harness import BenchConfig, run_bench
 from kvsplice.bench.metrics import RequestRecord, SystemSummary, TurnSummary
 from kvsplice.bench.report import markdown
 from kvsplice.bench.report import write as write_report
 from kvsplice.bench.results import BenchResult
-from kvsplice.bench.runner import BenchConfig, run_bench
 from kvsplice.bench.systems import System, parse_systems
 from kvsplice.bench.workloads import WORKLOADS, make_workload
 

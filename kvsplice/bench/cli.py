@@ -116,8 +116,8 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    from kvsplice.bench.harness import BenchConfig, run_bench
     from kvsplice.bench.report import write
-    from kvsplice.bench.runner import BenchConfig, run_bench
 
     try:
         budgets = tuple(_numbers(" ".join(args.budgets))) if args.budgets else None

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 KL_CLOSE = 0.05
 # A full prefill whose first token leads the runner-up by this much probability is sure of it. On the
 # recall evaluation (Gemma 3, 8 documents, 200 requests) a third of the full prefills lead by less than
-# 0.1, and 25 of the 29 first tokens lead@15 answered differently were where it led by less than 0.2.
+# 0.1, and 25 of the 29 first tokens attention@15 answered differently were where it led by less than 0.2.
 SURE_MARGIN = 0.2
 # A group over every answer position (or every setting).
 ALL = "all"

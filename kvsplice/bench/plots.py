@@ -27,7 +27,7 @@ _COLOURS = {
     "deviation": "tab:blue",
     "recency": "tab:purple",
     "query": "tab:cyan",
-    "lead": "tab:pink",
+    "attention": "tab:pink",
     "adaptive": "tab:olive",
     "full": "tab:green",
 }

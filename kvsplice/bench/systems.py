@@ -105,8 +105,8 @@ _NAME = re.compile(r"(?:splice:)?(?P<policy>[^@+/]+)(?:@(?P<budget>[^+/]+))?(?P<
 
 
 def name_parts(system: str) -> tuple[str, str, str]:
-    """A system's name as (policy, budget, suffixes): "splice:lead@15+fallback0.1/plain" is
-    ("lead", "15", "+fallback0.1/plain"), "splice:adaptive" ("adaptive", "", ""), "radix" ("radix", "",
+    """A system's name as (policy, budget, suffixes): "splice:attention@15+fallback0.1/plain" is
+    ("attention", "15", "+fallback0.1/plain"), "splice:adaptive" ("adaptive", "", ""), "radix" ("radix", "",
     "")."""
     m = _NAME.fullmatch(system)
     assert m is not None, f"not a system name: {system!r}"

@@ -93,7 +93,7 @@ class SegmentKeys:
         with a repair that leaves KV approximate and they match at least as much (`peek`: the prefix
         cache's hit for some ids): then its KV, approximate or not, enters the prefix cache under them
         and later requests that extend it reuse it. `first_found`: where the first span found without
-        markup after the plain prefix hit starts, if any (reuse/prefill.Lookup). `exact_lead`: where
+        markup after the plain prefix hit starts, if any (reuse/path.Lookup). `exact_lead`: where
         the prompt's first marked segment ends when it will be spliced from lead KV computed after
         this very head (a full prefill's KV): its tokens keep their ids, and segment keys start after
         it. Else a request that opens with the same segment and asks another question would take, as its

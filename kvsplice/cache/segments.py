@@ -17,7 +17,7 @@ per block, and is a `Reclaimer` the allocator asks to drop least recently used e
 runs short. Keys are (namespace, token ids): tenants with different salts share nothing (the
 canonical context is public text, shared by all).
 
-An entry's lead KV (its KV at a prompt's start, reuse/store_fill.LEAD_KV) is a second copy, on a
+An entry's lead KV (its KV at a prompt's start, reuse/segment_kv.LEAD_KV) is a second copy, on a
 clock of its own that every use of the entry moves, as well as every prompt spliced from it: a
 segment reused anywhere may open the next prompt (in a RAG workload a document opens about one in as
 many prompts as they have documents). A lead KV that aged only by those openings went before the
@@ -50,10 +50,10 @@ class SegmentEntry:
     # canonical position len(context) + j.
     blocks: list[int]
     last_access: float = field(default_factory=time.monotonic)
-    # How many contexts the stored KV is the mean over (reuse/store_fill.CONTEXTS).
+    # How many contexts the stored KV is the mean over (reuse/segment_kv.CONTEXTS).
     contexts: int = 1
     # The segment computed right after a prompt's head alone, as where a prompt starts with it
-    # (reuse/store_fill.LEAD_KV): token j at slot len(lead_head) + j of these blocks, at that
+    # (reuse/segment_kv.LEAD_KV): token j at slot len(lead_head) + j of these blocks, at that
     # position (the head's own KV is in the slots before). None until computed.
     lead_blocks: list[int] | None = None
     lead_head: tuple[int, ...] = ()
@@ -72,9 +72,9 @@ class SegmentStoreStats:
     hit_tokens: int = 0
     inserted_tokens: int = 0
     evictions: int = 0
-    # Tokens computed to give stored segments more contexts (background work, store_fill.ContextSample).
+    # Tokens computed to give stored segments more contexts (background work, segment_kv.ContextSample).
     sampled_tokens: int = 0
-    # Tokens computed for stored segments' lead KV (store_fill.LeadFill), and spliced from it.
+    # Tokens computed for stored segments' lead KV (segment_kv.LeadFill), and spliced from it.
     lead_tokens: int = 0
     lead_hit_tokens: int = 0
     # Lead KVs dropped for memory while their entry stayed.
@@ -168,7 +168,7 @@ class SegmentStore:
             watcher.inserted(namespace, tokens)
 
     def attach_lead(self, entry: SegmentEntry, blocks: list[int], head: tuple[int, ...]) -> None:
-        """Give a held entry its lead KV (store_fill.LeadFill); the store takes over the references."""
+        """Give a held entry its lead KV (segment_kv.LeadFill); the store takes over the references."""
         assert self._entries.get(entry.key) is entry, "lead KV for an entry the store does not hold"
         assert entry.lead_blocks is None, "lead KV attached twice"
         entry.lead_blocks, entry.lead_head = blocks, head
@@ -228,7 +228,7 @@ class SegmentStore:
 
 # A stored segment is computed after this many tokens of context by default (more where a sliding
 # window needs a full window of context): about where a segment sits in a prompt of several documents.
-# Measured on recall (8 documents, lead@15, 4 contexts; the same 30 requests) against the earlier
+# Measured on recall (8 documents, attention@15, 4 contexts; the same 30 requests) against the earlier
 # window + 64 (576) on Gemma 3 and 256 on SmolLM2: first-token agreement 83 -> 93% on Gemma 3 at an
 # equal mean KL, KL 0.115 -> 0.094 on SmolLM2 (bench/results/recall_*_8docs_context1024).
 CONTEXT_TOKENS = 1024

@@ -46,7 +46,7 @@ class BlockManager:
 
     def admit(self, request: Request, first_found: int | None, exact_lead: int | None) -> Admission | None:
         """Take the request's cached prefix and reserve its blocks; None, holding nothing, if memory is
-        short. `first_found`, `exact_lead`: what the reuse path found for it (reuse/prefill.Lookup), by
+        short. `first_found`, `exact_lead`: what the reuse path found for it (reuse/path.Lookup), by
         which its keys are chosen (cache/segment_keys.py)."""
         seq = request.seq
         approximate = not POLICIES[request.repair.policy].exact

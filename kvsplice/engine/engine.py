@@ -24,11 +24,11 @@ from kvsplice.cache.base import CacheSeq
 from kvsplice.cache.registry import make_prefix_cache
 from kvsplice.cache.segments import SegmentStore, canonical_context
 from kvsplice.config import EngineConfig
+from kvsplice.engine.background import BackgroundWork
 from kvsplice.engine.block_manager import BlockManager
 from kvsplice.engine.output import OutputProcessor, StepOutput
 from kvsplice.engine.request import Request, Status
 from kvsplice.engine.scheduler import Scheduler, StepBatch
-from kvsplice.engine.store_work import StoreWork
 from kvsplice.errors import InvalidRequestError, PromptTooLongError, QueueFullError
 from kvsplice.kv.pool import KVPool
 from kvsplice.loader.model_files import resolve_model_dir
@@ -39,13 +39,13 @@ from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.plan import SpanKind
 from kvsplice.prompt import Prompt, parse_prompt
-from kvsplice.reuse import store_fill
+from kvsplice.reuse import segment_kv
 from kvsplice.reuse.discover import MIN_SPAN_TOKENS, SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
-from kvsplice.reuse.prefill import Prefill, ReusePath, lead_head
+from kvsplice.reuse.path import Prefill, ReusePath, lead_head
 from kvsplice.sampling import SamplingParams, sample
-from kvsplice.store import KVEventPublisher, TieredStore
-from kvsplice.store.recorder import KVEventRecorder
+from kvsplice.tiers import KVEventPublisher, TieredStore
+from kvsplice.tiers.recorder import KVEventRecorder
 
 __all__ = ["Engine", "StepOutput"]
 
@@ -105,13 +105,13 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, frozenset(eos), self.max_model_len)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.store_work = StoreWork(
+        self.background = BackgroundWork(
             self.segment_store,
             self.pool,
             self.runner,
             self.lower,
-            store_fill.CONTEXTS,
-            store_fill.LEAD_KV,
+            segment_kv.CONTEXTS,
+            segment_kv.LEAD_KV,
         )
         # Prompts for the span finder to index (their KV now computed), at the start of the next step.
         self._to_index: list[tuple[Hashable, tuple[int, ...]]] = []
@@ -179,7 +179,7 @@ class Engine:
         self._finish(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self.store_work.busy or bool(self._to_index)
+        return self.scheduler.has_work() or self.background.busy or bool(self._to_index)
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -191,11 +191,11 @@ class Engine:
         outputs = self._decode(batch) if batch.decode else []
         for request, tokens in batch.prefill:
             outputs += self._prefill_chunk(request, tokens)
-        if batch.background_tokens > 0 and not self.store_work.copy(1):
+        if batch.background_tokens > 0 and not self.background.copy(1):
             # One segment's copy a step, whatever the budget: a request that arrives while it runs waits
             # for one copy, not for every queued one. Fills (extra contexts, lead KV) take the step's
             # budget when no copy is queued.
-            self.store_work.fill(batch.background_tokens)
+            self.background.fill(batch.background_tokens)
         if self.events is not None:
             self.events.flush()
         return outputs
@@ -206,8 +206,8 @@ class Engine:
         seconds at most) and the queued KV events, then release them. Requests still in the engine are
         not run, nor queued fills (extra contexts, lead KV), which would compute: a segment still
         waiting for contexts goes to the tiers with those it has."""
-        self.store_work.copy()
-        self.store_work.write_unsampled()
+        self.background.copy()
+        self.background.write_unsampled()
         if self.lower is not None:
             self.lower.close()
         if self.events is not None:
@@ -224,10 +224,10 @@ class Engine:
             if admission is None:
                 # Each request was checked to fit an empty pool: only memory that running requests (or
                 # queued store copies) hold can be missing. It waits at the head of the queue.
-                if not self.store_work.holds_blocks:
+                if not self.background.holds_blocks:
                     assert self.scheduler.running, "a request that fits an empty pool waits in an idle engine"
                     return
-                self.store_work.copy()
+                self.background.copy()
                 continue
             self.scheduler.start(request, admission)
             request.metrics.queue_s = time.perf_counter() - request.arrival
@@ -239,7 +239,7 @@ class Engine:
                 admission.prefix_hit_tokens,
                 lookup,
                 admission.approximate_from,
-                self.store_work.pending_kv(),
+                self.background.pending_kv(),
             )
 
     def _decode(self, batch: StepBatch) -> list[StepOutput]:
@@ -297,7 +297,7 @@ class Engine:
             if admission.approximate_from is not None:
                 kept = min(kept, admission.approximate_from)
             self._to_index.append((request.namespace, prompt.token_ids[:kept]))
-        self.store_work.queue(request.namespace, request.seq.block_table, prefill, lead_head(request.prompt))
+        self.background.queue(request.namespace, request.seq.block_table, prefill, lead_head(request.prompt))
 
     def _index_prompts(self) -> None:
         """Index the prompts of finished prefills for the span finder (milliseconds)."""

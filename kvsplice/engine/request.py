@@ -13,7 +13,7 @@ from kvsplice.cache.base import CacheSeq
 from kvsplice.options import RepairSettings
 from kvsplice.outputs import RequestMetrics, RequestOutput
 from kvsplice.prompt import ParsedPrompt
-from kvsplice.reuse.prefill import Prefill
+from kvsplice.reuse.path import Prefill
 from kvsplice.sampling import SamplingParams
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from kvsplice.repair.adaptive import AdaptiveRepair
+from kvsplice.repair.attention import AttentionRepair
 from kvsplice.repair.base import RepairPolicy
 from kvsplice.repair.policies import BoundaryRepair, DeviationRepair, FullRepair, NoRepair
-from kvsplice.repair.query import LeadQueryRepair
 
 POLICIES: dict[str, type[RepairPolicy]] = {
     cls.name: cls
-    for cls in (NoRepair, BoundaryRepair, DeviationRepair, LeadQueryRepair, AdaptiveRepair, FullRepair)
+    for cls in (NoRepair, BoundaryRepair, DeviationRepair, AttentionRepair, AdaptiveRepair, FullRepair)
 }
 POLICY_NAMES = tuple(POLICIES)
 

@@ -20,7 +20,7 @@ sample in the first chunk, and a request's logits depended on `max_num_batched_t
 other prefills of each step (a tiny Gemma 3, up to 0.18 apart between chunk sizes). Keys are moved
 to position 0 for the median and back to each token's position for the shift.
 
-Its default depends on the model family (`default_shift`): at 0.5 on top of `lead@15` it brought
+Its default depends on the model family (`default_shift`): at 0.5 on top of `attention@15` it brought
 Gemma 3 closer to a full prefill on the recall bench, on every held-out seed, and SmolLM2 further
 from it (docs/fidelity.md).
 """
@@ -36,7 +36,7 @@ from kvsplice.kv import rope
 from kvsplice.model_config import ModelConfig
 
 # The segment shift per model family (config.json's architecture), where measurement chose one; 0
-# elsewhere. Gemma 3 (recall, lead@15, 100 held-out requests per run, paired against no shift): 8
+# elsewhere. Gemma 3 (recall, attention@15, 100 held-out requests per run, paired against no shift): 8
 # documents, seed 3 KL 0.0215 -> 0.0158 (-0.0057 [-0.0084, -0.0032]), seed 4 0.0247 -> 0.0207 (-0.0040
 # [-0.0065, -0.0020]), seed 7 0.0286 -> 0.0247 (-0.0039 [-0.0069, -0.0005]), seed 10 (after chunks
 # stopped cutting samples) 0.0224 -> 0.0172 (-0.0052 [-0.0094, -0.0022], lower on 86); 12 documents,

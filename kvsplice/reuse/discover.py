@@ -3,7 +3,7 @@
     finder.find(namespace, token_ids, covered)   -> Discovery(reused, new)
     finder.remember(namespace, token_ids)        the prompt joins the history later prompts are searched in
 
-Two span indexes (cache/span_index.py), each per namespace, so tenants with different salts never meet:
+Two span indexes (reuse/span_index.py), each per namespace, so tenants with different salts never meet:
 - `stored`: every entry of the segment store (marked segments and discovered spans alike), kept in step
   with the store through its watcher hooks. A stretch of the prompt found here reuses that entry's KV
   from the matched offset on, so a discovered span need not be a whole entry, nor an entry a whole
@@ -12,7 +12,7 @@ Two span indexes (cache/span_index.py), each per namespace, so tenants with diff
   keeps its KV under its token ids (the engine passes that part). A stretch found here and not in
   the store is content seen for the second time. Its KV is where the earlier prompt left it, in the
   prefix cache (exact, for that prompt): the request moves it from there, like a stored segment, and
-  the engine then copies it into the store (store_fill.capture_in_place), so the second sighting
+  the engine then copies it into the store (segment_kv.capture_in_place), so the second sighting
   already reuses it and later ones find it even once the prefix cache has let go. Where the prefix
   cache no longer holds it, the request computes it in place and the store keeps that. Storing on
   the second sighting keeps content that never recurs (questions, one-off documents) out of the pool.
@@ -39,7 +39,7 @@ the content it was found in stop agreeing, so its first tokens are the ones whos
 other text; and where a marked prompt's segment starts at a document, a found span starts wherever
 the common text does, often in framing that recurs with the passage (an agent's tool-call line,
 " search(query=...)\nResult:\n", 16 tokens, recurs with its result). Measured on the agent workload
-sent unmarked next to marked (6 episodes, 24 measured steps, lead@15, KL to a full prefill, the
+sent unmarked next to marked (6 episodes, 24 measured steps, attention@15, KL to a full prefill, the
 heads computed on top of the repair budget; marked: 0.0035, every step within 0.05):
 
 | tail | head | KL unmarked | within 0.05 | FLOPs unmarked / marked | TTFT unmarked / marked (median) |
@@ -68,7 +68,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple, cast
 
-from kvsplice.cache.span_index import SpanIndex
+from kvsplice.reuse.span_index import SpanIndex
 
 
 class FoundSpan(NamedTuple):

@@ -27,8 +27,8 @@ from kvsplice.errors import OutOfBlocksError
 from kvsplice.kv.pool import KVPool
 from kvsplice.model_config import ModelConfig
 from kvsplice.options import salt_key
-from kvsplice.reuse import store_fill
-from kvsplice.store import KVFingerprint, SegmentKV, TieredStore
+from kvsplice.reuse import segment_kv
+from kvsplice.tiers import KVFingerprint, SegmentKV, TieredStore
 
 # Written by loader/gguf.py next to a converted model: it names the GGUF's sha256.
 CONVERSION_MARKER = "kvsplice-conversion.json"
@@ -108,7 +108,7 @@ def store_fingerprint(
         head_dim=cfg.head_dim,
         rope=f"layers={layers};window={cfg.sliding_window};{rope}",
         context_tokens=context,
-        segment_contexts=store_fill.CONTEXTS,
+        segment_contexts=segment_kv.CONTEXTS,
     )
 
 

@@ -80,10 +80,10 @@ class RepairRun:
             # last marked segment, so not a new document that follows the last reused one) runs the
             # probe's layers again with the chosen, over their repaired KV: letting it resume (its first
             # layers over unrepaired KV) raised the recall bench's KL from 0.055 to 0.138 (8 documents,
-            # lead@15, 30 requests). The computed tokens before it resume: those before the first chosen
+            # attention@15, 30 requests). The computed tokens before it resume: those before the first chosen
             # token compute the same either way; those after it (documents new to the store, separators)
             # saw the chosen tokens' KV unrepaired in the probe's layers, which measured as no loss
-            # (see repair/query.py) and saves those layers for every new document.
+            # (see repair/attention.py) and saves those layers for every new document.
             again = _union(self.task.plan.question(), chosen)
             if not again:
                 return rest

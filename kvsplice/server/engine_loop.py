@@ -293,9 +293,9 @@ class AsyncEngine:
             segment_evictions=segments.evictions,
             segment_entries=len(engine.segment_store),
             segment_sampled_tokens=segments.sampled_tokens,
-            segment_contexts_dropped=engine.store_work.samples_dropped,
+            segment_contexts_dropped=engine.background.samples_dropped,
             segment_lead_tokens=segments.lead_tokens,
             segment_lead_hit_tokens=segments.lead_hit_tokens,
             segment_lead_evictions=segments.lead_evictions,
-            store_work_queued=engine.store_work.queued,
+            store_work_queued=engine.background.queued,
         )

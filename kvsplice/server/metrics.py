@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from kvsplice.engine.engine import StepOutput
 from kvsplice.server.engine_loop import EngineStats
-from kvsplice.store import TierStats, register_store_metrics
+from kvsplice.tiers import TierStats, register_store_metrics
 
 # vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -179,7 +179,7 @@ class _EngineCollector(Collector):
         yield counter("kvsplice:segment_store_evictions", "Segments evicted", s.segment_evictions)
         yield counter(
             "kvsplice:segment_store_context_tokens",
-            "Tokens computed to give stored segments more contexts (store_fill.CONTEXTS), background work",
+            "Tokens computed to give stored segments more contexts (segment_kv.CONTEXTS), background work",
             s.segment_sampled_tokens,
         )
         yield counter(
@@ -194,12 +194,12 @@ class _EngineCollector(Collector):
         )
         yield counter(
             "kvsplice:segment_store_lead_hit_tokens",
-            "Segment tokens spliced from their KV at a prompt's start (store_fill.LEAD_KV)",
+            "Segment tokens spliced from their KV at a prompt's start (segment_kv.LEAD_KV)",
             s.segment_lead_hit_tokens,
         )
         yield counter(
             "kvsplice:segment_store_lead_evictions",
-            "Lead KVs dropped for memory while their segment stayed stored (store_fill.LEAD_KV)",
+            "Lead KVs dropped for memory while their segment stayed stored (segment_kv.LEAD_KV)",
             s.segment_lead_evictions,
         )
         yield gauge("kvsplice:segment_store_entries", "Segments stored", s.segment_entries)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvsplice.store.tier import TierStats
+from kvsplice.tiers.tier import TierStats
 
 # TierStats field -> (metric name, help).
 METRICS = {

@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 
 from kvsplice.errors import ConfigError
-from kvsplice.store.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, encode_batch
+from kvsplice.tiers.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, encode_batch
 
 logger = logging.getLogger(__name__)
 

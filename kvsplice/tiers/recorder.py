@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from kvsplice.options import salt_key
-from kvsplice.store.events import (
+from kvsplice.tiers.events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
@@ -22,7 +22,7 @@ from kvsplice.store.events import (
     router_block_hashes,
     segment_hash,
 )
-from kvsplice.store.publisher import KVEventPublisher
+from kvsplice.tiers.publisher import KVEventPublisher
 
 
 class KVEventRecorder:

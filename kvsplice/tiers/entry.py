@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import torch
 
-from kvsplice.store.fingerprint import DTYPE_NAMES, KVFingerprint
+from kvsplice.tiers.fingerprint import DTYPE_NAMES, KVFingerprint
 
 FORMAT_VERSION = 1
 MAGIC = b"KVSPLICE"

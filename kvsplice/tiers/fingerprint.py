@@ -38,7 +38,7 @@ class KVFingerprint:
     rope: str
     # The canonical context every segment is computed after (its KV depends on it).
     context_tokens: tuple[int, ...]
-    # How many contexts a segment's KV is the mean over (reuse/store_fill.CONTEXTS).
+    # How many contexts a segment's KV is the mean over (reuse/segment_kv.CONTEXTS).
     segment_contexts: int
 
     def __post_init__(self) -> None:

@@ -53,7 +53,7 @@ from kvsplice.loader.model_files import resolve_model_dir
 from kvsplice.loader.tokenizer import Tokenizer
 from kvsplice.model_config import ModelConfig
 from kvsplice.options import RequestOptions
-from kvsplice.reuse import store_fill
+from kvsplice.reuse import segment_kv
 from kvsplice.sampling import SamplingParams
 
 GIB = 2**30
@@ -146,14 +146,14 @@ class _Run:
                 need[key], floor[key] = sum(requests) + 1, max(requests) + 1
         if num_splice:
             # The segment store holds its canonical context once (none without a tokenizer), and a
-            # context sample (store_fill.CONTEXTS > 1) holds a context and its segment while it runs: a
+            # context sample (segment_kv.CONTEXTS > 1) holds a context and its segment while it runs: a
             # pool sized without them evicts the very segments the measured requests come to reuse.
             length = canonical_context_length(self.model_cfg, bs)
             context = length // bs if self.tokenizer else 0
             longest = max((cache[text] for text in docs), default=0)
-            sample = context + -(-longest // bs) + 1 if context and store_fill.CONTEXTS > 1 else 0
+            sample = context + -(-longest // bs) + 1 if context and segment_kv.CONTEXTS > 1 else 0
             # With lead KV the store holds two copies of each segment's KV.
-            stored = doc_blocks * (2 if store_fill.LEAD_KV and context else 1)
+            stored = doc_blocks * (2 if segment_kv.LEAD_KV and context else 1)
             need[SPLICE_ENGINE] = num_splice * (sum(requests) + stored) + context + sample + 1
             floor[SPLICE_ENGINE] = max(requests) + num_splice * stored + context + sample + 1
         cap = int(self.config.kv_cache_gb * GIB // self.block_bytes)
@@ -297,7 +297,7 @@ class _Run:
                 continue
             engine = slot.llm.engine
             lower = engine.lower
-            engine.store_work.copy()
+            engine.background.copy()
             if lower is not None and not lower.store.flush(timeout_s=120.0):
                 self.notes.append(f"the {key} engine's tier writes did not finish within 120 s")
             slot.llm.close()
@@ -318,7 +318,7 @@ class _Run:
         splice = self.engines.get(SPLICE_ENGINE)
         if splice is None or splice.llm is None:
             return
-        stats, work = splice.llm.engine.segment_store.stats, splice.llm.engine.store_work
+        stats, work = splice.llm.engine.segment_store.stats, splice.llm.engine.background
         prompts = max(1, sum(r.prompt_tokens for r in records if not r.warmup))
         if stats.evictions:
             self.notes.append(f"the shared splice engine's segment store evicted {stats.evictions} entries")
@@ -327,14 +327,14 @@ class _Run:
                 f"the shared splice engine's segment store dropped the lead KV of {stats.lead_evictions} "
                 "entries it kept"
             )
-        if store_fill.CONTEXTS > 1:
+        if segment_kv.CONTEXTS > 1:
             self.notes.append(
-                f"segment_contexts={store_fill.CONTEXTS}: the segment store computed "
+                f"segment_contexts={segment_kv.CONTEXTS}: the segment store computed "
                 f"{stats.sampled_tokens:,} tokens to give segments more contexts, "
                 f"{stats.sampled_tokens / prompts:.0%} of the measured requests' prompt tokens; "
                 f"{work.samples_dropped} contexts dropped"
             )
-        if store_fill.LEAD_KV and stats.lead_tokens:
+        if segment_kv.LEAD_KV and stats.lead_tokens:
             self.notes.append(
                 f"segment_lead_kv: the segment store computed {stats.lead_tokens:,} tokens for segments' KV "
                 f"at a prompt's start ({stats.lead_tokens / prompts:.0%} of the measured requests' prompt "

@@ -17,8 +17,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvsplice.errors import ConfigError
-from kvsplice.store.breaker import CircuitBreaker
-from kvsplice.store.tier import Tier
+from kvsplice.tiers.breaker import CircuitBreaker
+from kvsplice.tiers.tier import Tier
 
 KEY_PREFIX = "kvsplice:seg:"
 

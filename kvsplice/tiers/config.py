@@ -12,7 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvsplice.errors import ConfigError
-from kvsplice.store.fingerprint import DTYPE_NAMES
+from kvsplice.tiers.fingerprint import DTYPE_NAMES
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 

@@ -72,7 +72,7 @@ class BorrowedSpan:
 
 
 # A marked segment that starts within this many tokens of the prompt's start (after an instruction, a
-# system line) is spliced from its lead KV where the store holds it (reuse/store_fill.LEAD_KV),
+# system line) is spliced from its lead KV where the store holds it (reuse/segment_kv.LEAD_KV),
 # computed after the head of the prompt that stored it: exact after the same head, and after another
 # one it misses only those few tokens, where the stored mean KV saw 1,024 tokens of other content.
 LEAD_HEAD_TOKENS = 64

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from kvsplice.errors import ConfigError
-from kvsplice.store.tier import Tier
+from kvsplice.tiers.tier import Tier
 
 SUFFIX = ".kv"
 TEMP_SUFFIX = ".part"

@@ -8,10 +8,10 @@
 - `register_store_metrics`: the tiers' counters in a Prometheus registry.
 """
 
-from kvsplice.store.config import StoreConfig
-from kvsplice.store.disk import DiskTier
-from kvsplice.store.entry import CorruptEntryError, LayerKV, SegmentKV, decode_entry, encode_entry, entry_key
-from kvsplice.store.events import (
+from kvsplice.tiers.config import StoreConfig
+from kvsplice.tiers.disk import DiskTier
+from kvsplice.tiers.entry import CorruptEntryError, LayerKV, SegmentKV, decode_entry, encode_entry, entry_key
+from kvsplice.tiers.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -23,12 +23,12 @@ from kvsplice.store.events import (
     router_block_hashes,
     segment_hash,
 )
-from kvsplice.store.fingerprint import KVFingerprint
-from kvsplice.store.metrics import register_store_metrics
-from kvsplice.store.publisher import KVEventPublisher, KVEventsConfig, PublisherStats
-from kvsplice.store.remote import RedisTier
-from kvsplice.store.tier import Tier, TierStats
-from kvsplice.store.tiered import StoreHit, TieredStore
+from kvsplice.tiers.fingerprint import KVFingerprint
+from kvsplice.tiers.metrics import register_store_metrics
+from kvsplice.tiers.publisher import KVEventPublisher, KVEventsConfig, PublisherStats
+from kvsplice.tiers.remote import RedisTier
+from kvsplice.tiers.tier import Tier, TierStats
+from kvsplice.tiers.tiered import StoreHit, TieredStore
 
 __all__ = [
     "AllBlocksCleared",

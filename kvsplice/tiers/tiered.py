@@ -13,10 +13,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvsplice.store.breaker import CircuitBreaker
-from kvsplice.store.config import StoreConfig
-from kvsplice.store.disk import DiskTier
-from kvsplice.store.entry import (
+from kvsplice.tiers.breaker import CircuitBreaker
+from kvsplice.tiers.config import StoreConfig
+from kvsplice.tiers.disk import DiskTier
+from kvsplice.tiers.entry import (
     TORCH_DTYPES,
     CorruptEntryError,
     SegmentKV,
@@ -24,10 +24,10 @@ from kvsplice.store.entry import (
     encode_entry,
     entry_key,
 )
-from kvsplice.store.fingerprint import KVFingerprint
-from kvsplice.store.remote import RedisTier
-from kvsplice.store.tier import Tier, TierStats
-from kvsplice.store.writer import Payload, TierWriter
+from kvsplice.tiers.fingerprint import KVFingerprint
+from kvsplice.tiers.remote import RedisTier
+from kvsplice.tiers.tier import Tier, TierStats
+from kvsplice.tiers.writer import Payload, TierWriter
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from kvsplice.cache.segments import SegmentStore
 from kvsplice.kv.pool import KVPool
 from kvsplice.models.runner import ModelRunner
 from kvsplice.reuse.lower_tiers import LowerTiers
-from kvsplice.reuse.prefill import MissedSegment, PendingKV, Prefill
-from kvsplice.reuse.store_fill import CanonicalContextFill, ContextSample, LeadFill, capture_in_place
+from kvsplice.reuse.path import MissedSegment, PendingKV, Prefill
+from kvsplice.reuse.segment_kv import CanonicalContextFill, ContextSample, LeadFill, capture_in_place
 from kvsplice.reuse.work import PrefillWork
 
 Fill = ContextSample | CanonicalContextFill | LeadFill
@@ -49,7 +49,7 @@ class _Copy:
     head: tuple[int, ...]
 
 
-class StoreWork:
+class BackgroundWork:
     def __init__(
         self,
         store: SegmentStore,

@@ -9,7 +9,7 @@ repaired KV from the first layer on: letting it resume from the probe instead ra
 bench's KL from 0.055 to 0.138). The other computed tokens (the instruction, separators, documents
 new to the store) resume from the probe's hidden states, so they run each layer once: those after a
 chosen token saw its KV unrepaired in the probe's layers. On half-new traffic (3 of 6 documents
-reused, 8 requests, Gemma 3, lead@15) that left the next-token KL at 0.064 against 0.063 when they
+reused, 8 requests, Gemma 3, attention@15) that left the next-token KL at 0.064 against 0.063 when they
 ran the probe's layers again, and cut prefill FLOPs from 0.73 to 0.68 of a full prefill's (0.71 to
 0.55 on one request: the probe's layers for every new document, a third of the model); on the recall
 bench (8 documents, 30 requests, 2 threads) KL 0.0588 against 0.0589, the same answers. On a warm
@@ -64,7 +64,7 @@ class QueryAttentionObserver:
 # The probe watches the first global-attention layer at or past this share of the model's depth.
 # Early layers attend by position more than by content: on a model without sliding windows, where
 # every layer is global, watching layers 0-1 ranked poorly. Measured on SmolLM2-135M (30 layers;
-# recall, 8 documents, the same 30 requests, lead@15, bench/results/recall_smollm2_8docs_probe):
+# recall, 8 documents, the same 30 requests, attention@15, bench/results/recall_smollm2_8docs_probe):
 # layers 0-1 KL 0.230, first token 63%, accuracy 27% (full prefill 33%); layer 8 KL 0.169, 73%, 40%;
 # layer 15 KL 0.171, 73%, 33%. On Gemma 3 the share picks layer 5, its first global layer, as before.
 PROBE_DEPTH = 0.25
@@ -92,12 +92,12 @@ def question_probe(task: RepairTask, last_layer: int) -> Probe:
 
 # The first segment takes at most this share of the budget: at 4 documents it is a quarter of the
 # prompt and would take all of it, leaving the answer's document unrepaired wherever else it is.
-LEAD_SHARE = 0.5
+FIRST_SEGMENT_SHARE = 0.5
 
 
-class LeadQueryRepair(RepairPolicy):
+class AttentionRepair(RepairPolicy):
     """Recompute the reused tokens the question attends to most, the prompt's first reused segment first
-    (at most `LEAD_SHARE` of the budget). The default policy (EngineConfig.repair).
+    (at most `FIRST_SEGMENT_SHARE` of the budget). The default policy (EngineConfig.repair).
 
     A probe runs the computed tokens (no reused one) through the first layers up to the probe layer
     over the moved, unrepaired KV and sums the attention the question pays each reused token there.
@@ -107,7 +107,7 @@ class LeadQueryRepair(RepairPolicy):
     from lead KV computed after the same head (a full prefill's KV), the question alone ranks.
     docs/design.md gives the measurements that chose it."""
 
-    name = "lead"
+    name = "attention"
 
     def decide(self, task: RepairTask) -> RepairDecision:
         def probe(stale: tuple[int, ...]) -> Probe:
@@ -118,10 +118,10 @@ class LeadQueryRepair(RepairPolicy):
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, QueryAttentionObserver)
-        return lead_choice(task.plan, probe.observer.score, task.budget)
+        return attention_choice(task.plan, probe.observer.score, task.budget)
 
 
-def lead_choice(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]:
+def attention_choice(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]:
     """`lead`'s choice of `budget` spliced positions (sorted) from the question's attention `score`
     [prompt tokens]. Nested: the choice at a budget holds the choice at every smaller one (the first
     segment's share, budget // 2, only grows; the rest are the best remaining by score)."""
@@ -129,7 +129,7 @@ def lead_choice(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]
     first = plan.spliced()[0]
     if first.segment == 0 and not first.lead_kv:
         part = score[first.start : first.end]
-        lead = part.topk(min(len(part), int(LEAD_SHARE * budget))).indices + first.start
+        lead = part.topk(min(len(part), int(FIRST_SEGMENT_SHARE * budget))).indices + first.start
         # Above every other token (attention mass is finite and >= 0), in the question's order.
         score[lead] += score.max() + 1
     return most_attended(plan, score, budget)

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvsplice.store.tier import Tier
+from kvsplice.tiers.tier import Tier
 
 logger = logging.getLogger(__name__)
 

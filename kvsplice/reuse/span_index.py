@@ -64,7 +64,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvsplice.cache.chunking import ChunkSizes, chunk_ends
+from kvsplice.reuse.chunking import ChunkSizes, chunk_ends
 
 # Bytes per token in the copies of sources and prompts (int32: every vocabulary fits).
 _TOKEN_BYTES = 4
