@@ -42,7 +42,7 @@ def wait_idle(server: ServerThread, timeout_s: float = 60) -> dict[str, float]:
         if (
             m["vllm:num_requests_running"]
             == m["vllm:num_requests_waiting"]
-            == m["kvsplice:segment_store_work_queued"]
+            == m["kvsplice:background_jobs_queued"]
             == 0
         ):
             assert m["kvsplice:kv_cache_request_blocks"] == 0 and m["vllm:kv_cache_usage_perc"] == 0

@@ -118,6 +118,7 @@ def test_summaries_count_failures_and_average_over_completed_requests() -> None:
             computed_tokens=10,
             recomputed_tokens=12,
             prefill_flops=250.0,
+            background_flops=500.0,
             reference_flops=1000.0,
             kl=0.2,
             top1=False,
@@ -134,7 +135,8 @@ def test_summaries_count_failures_and_average_over_completed_requests() -> None:
     assert (splice.requests, splice.failed) == (2, 1)
     assert splice.computed_frac == pytest.approx(0.22)
     assert splice.prefix_hit_frac == pytest.approx(0.1) and splice.segment_hit_frac == pytest.approx(0.8)
-    assert splice.flops_frac == pytest.approx(0.25)
+    # The background work the request left counts in the total, not in the prefill's share.
+    assert splice.flops_frac == pytest.approx(0.25) and splice.total_flops_frac == pytest.approx(0.75)
     assert splice.kl_mean == pytest.approx(0.2) and splice.top1_rate == 0.0 and splice.accuracy == 1.0
     assert (off.close_rate, splice.close_rate, hash_.close_rate) == (1.0, 0.0, None)
     assert splice.peak_kv_bytes == 2048
@@ -144,7 +146,7 @@ def test_summaries_count_failures_and_average_over_completed_requests() -> None:
     lines = table.splitlines()
     assert "same 16" in lines[0]
     assert "1/2 (**1 failed**)" in lines[3]
-    assert lines[4].startswith("| hash | 0/2 (**2 failed**) |") and lines[4].count("failed") == 17
+    assert lines[4].startswith("| hash | 0/2 (**2 failed**) |") and lines[4].count("failed") == 18
 
 
 def test_close_rate_counts_kls_at_most_the_threshold() -> None:

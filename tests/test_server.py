@@ -299,7 +299,10 @@ def test_disconnects_cancel_and_free_blocks(server: ServerThread, model: str) ->
 
 def test_metrics_names(server: ServerThread, client: openai.OpenAI, model: str) -> None:
     # A request of its own, so the counters have moved when this test runs alone.
-    client.completions.create(model=model, prompt="Metrics, please:", max_tokens=2, temperature=0)
+    before = wait_idle(server)
+    client.completions.create(
+        model=model, prompt="Metrics, please:", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     m = wait_idle(server)
     for name in [
         "vllm:num_requests_running",
@@ -316,12 +319,28 @@ def test_metrics_names(server: ServerThread, client: openai.OpenAI, model: str) 
         "kvsplice:discovered_hit_tokens_total",
         "kvsplice:recomputed_tokens_total",
         "kvsplice:segment_store_entries",
-        "kvsplice:segment_store_work_queued",
+        "kvsplice:background_jobs_queued",
         "kvsplice:segment_store_context_tokens_total",
         "kvsplice:segment_store_contexts_dropped_total",
         "kvsplice:segment_store_lead_tokens_total",
         "kvsplice:segment_store_lead_hit_tokens_total",
+        "kvsplice:background_jobs_queued",
+        "kvsplice:prefill_flops_total",
+        "kvsplice:decode_flops_total",
+        "kvsplice:background_tokens_total",
+        "kvsplice:background_flops_total",
     ]:
         assert name in m, name
     assert m["vllm:prompt_tokens_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] > 0
+
+    # The runner's count of what it computed, against the requests' own accounts: every prompt token
+    # computed or recomputed ran through the model at least once (probes run some twice), and every
+    # generated token but each request's first (its prefill's) was a decode step.
+    def moved(name: str) -> float:
+        return m[name] - before.get(name, 0.0)
+
+    computed = moved("kvsplice:computed_prompt_tokens_total") + moved("kvsplice:recomputed_tokens_total")
+    assert moved("kvsplice:prefill_tokens_total") >= computed > 0
+    assert moved("kvsplice:decode_tokens_total") == moved("vllm:generation_tokens_total") - 1 == 2
+    assert moved("kvsplice:prefill_flops_total") > moved("kvsplice:decode_flops_total") > 0
     assert 0 <= m["vllm:kv_cache_usage_perc"] <= 1

@@ -46,7 +46,6 @@ from kvsplice.bench.systems import (
 from kvsplice.bench.workloads import make_workload
 from kvsplice.cache.segments import canonical_context_length
 from kvsplice.config import DTYPES, EngineConfig
-from kvsplice.engine.engine import Engine
 from kvsplice.kv.pool import bytes_per_block
 from kvsplice.llm import LLM
 from kvsplice.loader.model_files import resolve_model_dir
@@ -185,7 +184,7 @@ class _Run:
         except Exception as err:  # every system on this engine is then reported as failed
             self.notes.append(f"engine {key!r} failed to start: {type(err).__name__}: {err}")
             return _Engine(None, f"engine failed to start: {type(err).__name__}: {err}")
-        shift = llm.engine.reuse.shift
+        shift = llm.engine.segment_shift
         if key == SPLICE_ENGINE and shift:
             self.notes.append(
                 f"splice systems repair with the segment shift at {shift:g} (the model family's)"
@@ -224,9 +223,8 @@ class _Run:
             record.error = slot.error
             return record, None
         engine = slot.llm.engine
-        allocator = engine.pool.allocator
-        used_before = allocator.num_used
-        cached_before = _cached_tokens(engine)
+        before = engine.stats()
+        used_before = before.num_used_blocks
         request_id = None
         try:
             prompt = prompt_parts(system, request, self.encode)
@@ -236,18 +234,18 @@ class _Run:
                 cache_salt=system.cache_salt,
                 repair_fallback_margin=system.fallback_margin,
             )
-            stored_before = engine.segment_store.stats.inserted_tokens
-            sampled_before = engine.segment_store.stats.sampled_tokens
             request_id = engine.add_request(prompt, self.params, options)
             # The request runs alone: step until the engine is idle, which includes the steps that store
             # the segments it missed (after its first token), so their KV counts for it.
             output, most, first = None, used_before, True
             while engine.has_unfinished():
                 steps = engine.step()
-                if first and _cached_tokens(engine) < cached_before:
+                now = engine.stats()
+                # The prefix cache indexes fewer tokens only when it evicted some.
+                if first and now.prefix_cached_tokens < before.prefix_cached_tokens:
                     self.evictions[system.engine_key] += 1
                 first = False
-                most = max(most, allocator.num_used)
+                most = max(most, now.num_used_blocks)
                 done = (s.output for s in steps if s.request_id == request_id and s.output)
                 output = output or next(done, None)
             if output is None:
@@ -260,9 +258,9 @@ class _Run:
                 except Exception as abort_err:
                     record.error += f" (abort failed too: {abort_err})"
             return record, None
-        m = output.metrics
+        m, after = output.metrics, engine.stats()
         peak = self.held[system.name] + max(most - used_before, 0)
-        self.held[system.name] += allocator.num_used - used_before
+        self.held[system.name] += after.num_used_blocks - used_before
         record.prompt_tokens = m.prompt_tokens
         record.prefix_hit_tokens = m.prefix_hit_tokens
         record.segment_hit_tokens = m.segment_hit_tokens
@@ -273,10 +271,12 @@ class _Run:
         record.fell_back = m.repair_fallback
         # Segments promoted from a tier below enter the pool's store too, but were loaded, not computed.
         promoted = sum(m.store_hit_tokens.values())
-        record.store_tokens = engine.segment_store.stats.inserted_tokens - stored_before - promoted
-        # Computing stored segments after more contexts (segment_contexts > 1) is store work too.
-        record.store_tokens += engine.segment_store.stats.sampled_tokens - sampled_before
+        record.store_tokens = after.segment_inserted_tokens - before.segment_inserted_tokens - promoted
+        # Computing stored segments after more contexts is store work too.
+        record.store_tokens += after.segment_sampled_tokens - before.segment_sampled_tokens
         assert record.store_tokens >= 0, "the store grew by less than the segments promoted into it"
+        # Everything the engine computed in the background while the request ran to idle.
+        record.background_flops = after.background_flops - before.background_flops
         record.store_hit_tokens = dict(m.store_hit_tokens)
         record.store_load_s = m.store_load_s
         record.prefill_flops = m.prefill_flops
@@ -296,13 +296,11 @@ class _Run:
             if slot.llm is None:
                 continue
             engine = slot.llm.engine
-            lower = engine.lower
-            engine.background.copy()
-            if lower is not None and not lower.store.flush(timeout_s=120.0):
+            if not engine.flush(timeout_s=120.0):
                 self.notes.append(f"the {key} engine's tier writes did not finish within 120 s")
             slot.llm.close()
-            if lower is not None:
-                stats[key] = {tier: dataclasses.asdict(s) for tier, s in lower.store.stats().items()}
+            if engine.tier_stats is not None:
+                stats[key] = {tier: dataclasses.asdict(s) for tier, s in engine.tier_stats().items()}
         return stats
 
     def check_evictions(self) -> None:
@@ -318,27 +316,30 @@ class _Run:
         splice = self.engines.get(SPLICE_ENGINE)
         if splice is None or splice.llm is None:
             return
-        stats, work = splice.llm.engine.segment_store.stats, splice.llm.engine.background
+        stats = splice.llm.engine.stats()
         prompts = max(1, sum(r.prompt_tokens for r in records if not r.warmup))
-        if stats.evictions:
-            self.notes.append(f"the shared splice engine's segment store evicted {stats.evictions} entries")
-        if stats.lead_evictions:
+        if stats.segment_evictions:
             self.notes.append(
-                f"the shared splice engine's segment store dropped the lead KV of {stats.lead_evictions} "
-                "entries it kept"
+                f"the shared splice engine's segment store evicted {stats.segment_evictions} entries"
+            )
+        if stats.segment_lead_evictions:
+            self.notes.append(
+                "the shared splice engine's segment store dropped the lead KV of "
+                f"{stats.segment_lead_evictions} entries it kept"
             )
         if segment_kv.CONTEXTS > 1:
             self.notes.append(
                 f"segment_contexts={segment_kv.CONTEXTS}: the segment store computed "
-                f"{stats.sampled_tokens:,} tokens to give segments more contexts, "
-                f"{stats.sampled_tokens / prompts:.0%} of the measured requests' prompt tokens; "
-                f"{work.samples_dropped} contexts dropped"
+                f"{stats.segment_sampled_tokens:,} tokens to give segments more contexts, "
+                f"{stats.segment_sampled_tokens / prompts:.0%} of the measured requests' prompt tokens; "
+                f"{stats.segment_contexts_dropped} contexts dropped"
             )
-        if segment_kv.LEAD_KV and stats.lead_tokens:
+        if segment_kv.LEAD_KV and stats.segment_lead_tokens:
             self.notes.append(
-                f"segment_lead_kv: the segment store computed {stats.lead_tokens:,} tokens for segments' KV "
-                f"at a prompt's start ({stats.lead_tokens / prompts:.0%} of the measured requests' prompt "
-                f"tokens) and spliced {stats.lead_hit_tokens:,} tokens from it; {work.leads_dropped} dropped"
+                f"segment_lead_kv: the segment store computed {stats.segment_lead_tokens:,} tokens for "
+                f"segments' KV at a prompt's start ({stats.segment_lead_tokens / prompts:.0%} of the "
+                f"measured requests' prompt tokens) and spliced {stats.segment_lead_hit_tokens:,} tokens "
+                f"from it; {stats.segment_leads_dropped} dropped"
             )
             measured = [r for r in records if not r.warmup and r.segment_hit_tokens]
             if measured:
@@ -365,11 +366,6 @@ def split_pools(need: dict[str, int], floor: dict[str, int], cap: int) -> dict[s
     extra = {k: need[k] - floor[k] for k in need}
     scale = spare / max(sum(extra.values()), 1)
     return {k: floor[k] + int(extra[k] * scale) for k in need}
-
-
-def _cached_tokens(engine: Engine) -> int:
-    """Tokens in a radix tree (which only shrinks by eviction); 0 for other prefix caches."""
-    return getattr(engine.prefix_cache, "num_cached_tokens", 0)
 
 
 def _compare_all(results: dict[str, tuple[RequestRecord, torch.Tensor | None]]) -> None:

@@ -77,6 +77,9 @@ class RequestRecord:
     store_hit_tokens: dict[str, int] = field(default_factory=dict)
     store_load_s: float = 0.0
     prefill_flops: float = 0.0
+    # FLOPs the engine computed in the background while the request ran to idle (contexts, lead KV of
+    # stored segments): the segment store's work for this request's documents.
+    background_flops: float = 0.0
     ttft_s: float = 0.0
     kv_peak_bytes: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -130,6 +133,8 @@ class SystemSummary:
     speedup_p50: float | None = None
     computed_frac: float | None = None
     flops_frac: float | None = None
+    # The same with the background work the requests left, over the full prefill's FLOPs.
+    total_flops_frac: float | None = None
     prefix_hit_frac: float | None = None
     segment_hit_frac: float | None = None
     discovered_hit_frac: float | None = None
@@ -307,6 +312,10 @@ def _summary(name: str, records: list[RequestRecord]) -> SystemSummary:
         computed_frac=_frac(sum(r.computed_tokens + r.recomputed_tokens for r in ok), prompt),
         flops_frac=_frac(
             sum(r.prefill_flops for r in compared), sum(r.reference_flops or 0.0 for r in compared)
+        ),
+        total_flops_frac=_frac(
+            sum(r.prefill_flops + r.background_flops for r in compared),
+            sum(r.reference_flops or 0.0 for r in compared),
         ),
         prefix_hit_frac=_frac(sum(r.prefix_hit_tokens for r in ok), prompt),
         segment_hit_frac=_frac(sum(r.segment_hit_tokens for r in ok), prompt),

@@ -20,7 +20,9 @@ from kvsplice.bench.stats import Interval
 LEGEND = (
     "TTFT: time to first token (p50, p95); speedup: median over requests of the full prefill's TTFT "
     "over the system's. computed: prompt tokens computed plus reused tokens recomputed by repair, as a "
-    "share of the prompt tokens; FLOPs: estimated prefill FLOPs as a share of the full prefill's. "
+    "share of the prompt tokens; FLOPs: estimated prefill FLOPs as a share of the full prefill's; with "
+    "background: the same plus what the engine computed in the background for the request (contexts and "
+    "lead KV of stored segments). "
     "prefix / segment: prompt tokens reused from the prefix cache (for splice systems, possibly an "
     "earlier request's spliced KV of the same prompt start) / moved from the segment "
     "store. store fill: tokens computed after the first token to put missed segments into the store "
@@ -74,15 +76,16 @@ def _mib(value: int | None) -> str:
 
 def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
     header = (
-        "| system | done | TTFT p50 ms | TTFT p95 ms | speedup | computed | FLOPs | prefix | segment "
+        "| system | done | TTFT p50 ms | TTFT p95 ms | speedup | computed | FLOPs | with background "
+        "| prefix | segment "
         f"| found | store fill | KL | KL ≤ {KL_CLOSE:g} | top-1 | same {continuation} | match | accuracy "
         "| peak KV MiB |"
     )
-    rows = [header, "|---|---|" + "---:|" * 16]
+    rows = [header, "|---|---|" + "---:|" * 17]
     for s in summaries:
         done = f"{s.requests - s.failed}/{s.requests}" + (f" (**{s.failed} failed**)" if s.failed else "")
         if s.failed == s.requests and s.requests:
-            rows.append(f"| {s.system} | {done} |" + " failed |" * 16)
+            rows.append(f"| {s.system} | {done} |" + " failed |" * 17)
             continue
         cells = [
             _ms(s.ttft_p50_s),
@@ -90,6 +93,7 @@ def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
             _times(s.speedup_p50),
             _pct(s.computed_frac, 1),
             _pct(s.flops_frac, 1),
+            _pct(s.total_flops_frac, 1),
             _pct(s.prefix_hit_frac, 1),
             _pct(s.segment_hit_frac, 1),
             _pct(s.discovered_hit_frac, 1),

@@ -79,6 +79,11 @@ class PrefixCache(ABC):
         self.stats = PrefixCacheStats()
         self.listener: BlockListener | None = None
 
+    @property
+    @abstractmethod
+    def num_cached_tokens(self) -> int:
+        """Tokens whose KV the cache indexes now."""
+
     @abstractmethod
     def acquire(self, seq: CacheSeq) -> PrefixHit:
         """Match seq.keys (the prompt; seq.num_computed == 0 and seq.block_table is empty) and take
@@ -111,6 +116,10 @@ class NoPrefixCache(PrefixCache):
     """Caching off: nothing is ever hit; a finished request frees its blocks."""
 
     name = "off"
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return 0
 
     def acquire(self, seq: CacheSeq) -> PrefixHit:
         self.stats.queries += len(seq.keys)

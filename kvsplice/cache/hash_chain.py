@@ -104,6 +104,10 @@ class HashChainCache(PrefixCache):
         """Blocks whose content is indexed (held by requests or free but not yet handed out again)."""
         return len(self._hash_of_block)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.num_cached_blocks * self.block_size
+
     def acquire(self, seq: CacheSeq) -> PrefixHit:
         """Walk the chain from the first block and stop at the first miss; only blocks that end
         before the last prompt token can hit, so N tokens hit at most floor((N-1)/B)·B."""

@@ -72,6 +72,9 @@ class BackgroundWork:
         self._filling: tuple[Fill, PrefillWork] | None = None
         self.samples_dropped = 0
         self.leads_dropped = 0
+        # What the fills computed: query tokens through every layer, and FLOPs.
+        self.computed_tokens = 0
+        self.computed_flops = 0.0
 
     @property
     def busy(self) -> bool:
@@ -156,7 +159,10 @@ class BackgroundWork:
             return
         fill, work = self._filling
         chunk = work.next_chunk(tokens)
-        work.complete(chunk, self.runner.forward(chunk))
+        result = self.runner.forward(chunk)
+        self.computed_tokens += len(chunk.positions)
+        self.computed_flops += result.flops
+        work.complete(chunk, result)
         if work.done:
             fill.finish()
             self._filling = None

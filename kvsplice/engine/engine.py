@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 import torch
 
@@ -29,6 +29,7 @@ from kvsplice.engine.block_manager import BlockManager
 from kvsplice.engine.output import OutputProcessor, StepOutput
 from kvsplice.engine.request import Request, Status
 from kvsplice.engine.scheduler import Scheduler, StepBatch
+from kvsplice.engine.stats import EngineStats
 from kvsplice.errors import InvalidRequestError, PromptTooLongError, QueueFullError
 from kvsplice.kv.pool import KVPool
 from kvsplice.loader.model_files import resolve_model_dir
@@ -45,6 +46,7 @@ from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
 from kvsplice.reuse.path import Prefill, ReusePath, lead_head
 from kvsplice.sampling import SamplingParams, sample
 from kvsplice.tiers import KVEventPublisher, TieredStore
+from kvsplice.tiers.metrics import TierStats
 from kvsplice.tiers.recorder import KVEventRecorder
 
 __all__ = ["Engine", "StepOutput"]
@@ -115,6 +117,9 @@ class Engine:
         )
         # Prompts for the span finder to index (their KV now computed), at the start of the next step.
         self._to_index: list[tuple[Hashable, tuple[int, ...]]] = []
+        # Compute of requests' prefills and of decode steps, in tokens and FLOPs (Engine.stats).
+        self._prefill_tokens = self._decode_tokens = 0
+        self._prefill_flops = self._decode_flops = 0.0
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -181,6 +186,49 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.background.busy or bool(self._to_index)
 
+    def stats(self) -> EngineStats:
+        """The engine's counters now: requests, memory, caches, and every token it computed."""
+        allocator, running = self.pool.allocator, self.scheduler.running
+        prefix, segments, background = self.prefix_cache.stats, self.segment_store.stats, self.background
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=allocator.num_blocks,
+            num_used_blocks=allocator.num_used,
+            num_request_blocks=len({b for r in running for b in r.seq.block_table}),
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            prefix_cached_tokens=self.prefix_cache.num_cached_tokens,
+            segment_lookups=segments.lookups,
+            segment_hits=segments.hits,
+            segment_inserted_tokens=segments.inserted_tokens,
+            segment_evictions=segments.evictions,
+            segment_entries=len(self.segment_store),
+            segment_sampled_tokens=segments.sampled_tokens,
+            segment_contexts_dropped=background.samples_dropped,
+            segment_lead_tokens=segments.lead_tokens,
+            segment_lead_hit_tokens=segments.lead_hit_tokens,
+            segment_lead_evictions=segments.lead_evictions,
+            segment_leads_dropped=background.leads_dropped,
+            background_queued=background.queued,
+            prefill_tokens=self._prefill_tokens,
+            prefill_flops=self._prefill_flops,
+            decode_tokens=self._decode_tokens,
+            decode_flops=self._decode_flops,
+            background_tokens=background.computed_tokens,
+            background_flops=background.computed_flops,
+        )
+
+    @property
+    def segment_shift(self) -> float:
+        """The segment shift this engine repairs with: its model family's (repair/shift.py)."""
+        return self.reuse.shift
+
+    @property
+    def tier_stats(self) -> Callable[[], Mapping[str, TierStats]] | None:
+        """The counters of the tiers below the pool, by tier (thread-safe), when the engine has tiers."""
+        return self.lower.store.stats if self.lower is not None else None
+
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
@@ -199,6 +247,12 @@ class Engine:
         if self.events is not None:
             self.events.flush()
         return outputs
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Copy the segments queued for the store and wait for the tiers below to write what they were
+        given; False if the writes did not finish in time. Requests and fills are not run."""
+        self.background.copy()
+        return self.lower is None or self.lower.store.flush(timeout_s)
 
     def close(self) -> None:
         """Copy the segments queued for the store (the last requests' new documents: a copy is cheap,
@@ -247,7 +301,10 @@ class Engine:
             DecodeItem(r.seq.block_table, r.output_ids[-1], r.num_prompt_tokens + len(r.output_ids) - 1)
             for r in batch.decode
         ]
-        logits = self.runner.decode(items).logits
+        result = self.runner.decode(items)
+        self._decode_tokens += len(items)
+        self._decode_flops += result.flops
+        logits = result.logits
         assert logits is not None
         outputs = []
         for request, row in zip(batch.decode, logits, strict=True):
@@ -260,7 +317,10 @@ class Engine:
         prefill = request.prefill
         assert prefill is not None
         chunk = prefill.work.next_chunk(tokens)
-        logits = prefill.work.complete(chunk, self.runner.forward(chunk))
+        result = self.runner.forward(chunk)
+        self._prefill_tokens += len(chunk.positions)
+        self._prefill_flops += result.flops
+        logits = prefill.work.complete(chunk, result)
         if not prefill.work.done:
             return []
         assert logits is not None

@@ -55,9 +55,8 @@ class OpenAIServer:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.config = config
         self.model_name = served_model_name(engine, config)
-        # TieredStore.stats is thread-safe: a scrape reads it directly, not through the engine thread.
-        store_stats = engine.lower.store.stats if engine.lower is not None else None
-        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats, store_stats)
+        # The tiers' counters are thread-safe: a scrape reads them directly, not through the engine thread.
+        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats, engine.tier_stats)
         self.engine = AsyncEngine(engine, on_output=self.metrics.observe, on_abort=self.metrics.abort)
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())

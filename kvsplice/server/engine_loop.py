@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsplice.engine.engine import Engine, StepOutput
+from kvsplice.engine.stats import EngineStats
 from kvsplice.options import RequestOptions
 from kvsplice.prompt import Prompt
 from kvsplice.sampling import SamplingParams
@@ -34,32 +35,6 @@ class EngineUnavailableError(Exception):
 
 class EngineFailure(Exception):
     """The engine raised while running this request (a bug): the request is lost, the server lives on."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine's state after its latest step, for /metrics (taken by the engine thread)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 1
-    # Blocks referenced by anyone: running requests, and the caches' evictable entries.
-    num_used_blocks: int = 0
-    # Blocks in the block tables of running requests (what vLLM's KV usage counts).
-    num_request_blocks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    segment_lookups: int = 0
-    segment_hits: int = 0
-    segment_inserted_tokens: int = 0
-    segment_evictions: int = 0
-    segment_entries: int = 0
-    segment_sampled_tokens: int = 0
-    segment_contexts_dropped: int = 0
-    segment_lead_tokens: int = 0
-    segment_lead_hit_tokens: int = 0
-    segment_lead_evictions: int = 0
-    store_work_queued: int = 0
 
 
 @dataclass
@@ -274,28 +249,4 @@ class AsyncEngine:
             self.broken = f"the engine is broken and must be restarted: {exc!r}"
 
     def _snapshot(self) -> None:
-        engine = self.engine
-        allocator = engine.pool.allocator
-        prefix = engine.prefix_cache.stats
-        segments = engine.segment_store.stats
-        running = engine.scheduler.running
-        self.stats = EngineStats(
-            num_running=len(running),
-            num_waiting=len(engine.scheduler.waiting),
-            num_blocks=allocator.num_blocks,
-            num_used_blocks=allocator.num_used,
-            num_request_blocks=len({b for r in running for b in r.seq.block_table}),
-            prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits,
-            segment_lookups=segments.lookups,
-            segment_hits=segments.hits,
-            segment_inserted_tokens=segments.inserted_tokens,
-            segment_evictions=segments.evictions,
-            segment_entries=len(engine.segment_store),
-            segment_sampled_tokens=segments.sampled_tokens,
-            segment_contexts_dropped=engine.background.samples_dropped,
-            segment_lead_tokens=segments.lead_tokens,
-            segment_lead_hit_tokens=segments.lead_hit_tokens,
-            segment_lead_evictions=segments.lead_evictions,
-            store_work_queued=engine.background.queued,
-        )
+        self.stats = self.engine.stats()

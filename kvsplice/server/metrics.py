@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvsplice.engine.engine import StepOutput
-from kvsplice.server.engine_loop import EngineStats
+from kvsplice.engine.stats import EngineStats
 from kvsplice.tiers import TierStats, register_store_metrics
 
 # vLLM's buckets.
@@ -204,7 +204,21 @@ class _EngineCollector(Collector):
         )
         yield gauge("kvsplice:segment_store_entries", "Segments stored", s.segment_entries)
         yield gauge(
-            "kvsplice:segment_store_work_queued",
+            "kvsplice:background_jobs_queued",
             "Store jobs (copies, fills, contexts, lead KV) not done yet: background work to come",
-            s.store_work_queued,
+            s.background_queued,
         )
+        yield counter(
+            "kvsplice:prefill_tokens", "Query tokens computed by requests' prefills", s.prefill_tokens
+        )
+        yield counter(
+            "kvsplice:prefill_flops", "FLOPs of requests' prefills (probes and repair)", s.prefill_flops
+        )
+        yield counter("kvsplice:decode_tokens", "Tokens computed by decode steps", s.decode_tokens)
+        yield counter("kvsplice:decode_flops", "FLOPs of decode steps", s.decode_flops)
+        yield counter(
+            "kvsplice:background_tokens",
+            "Query tokens computed as background work for the segment store (contexts, lead KV)",
+            s.background_tokens,
+        )
+        yield counter("kvsplice:background_flops", "FLOPs of background work", s.background_flops)
