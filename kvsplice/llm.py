@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,12 +16,26 @@ from kvsplice.sampling import SamplingParams
 
 
 class LLM:
-    """An engine in this process. `LLM()` runs the default model; keyword arguments are EngineConfig's."""
+    """An engine in this process. `LLM()` runs the default model; keyword arguments are EngineConfig's.
+
+    What the engine owes the tiers below the pool (segments whose copy is queued, writes in flight) is
+    written when the LLM is closed: by `close()`, at the end of a `with LLM(...) as llm:` block, when
+    the object is garbage-collected, or at interpreter exit, whichever comes first. A process killed
+    outright (SIGKILL, a crash) loses what was not written yet: the new segments of the requests since
+    its last `generate` began (their copies run in the engine's next steps) and writes in flight."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = Engine(self.config)
         self.tokenizer = self.engine.tokenizer
+        # Runs engine.close once: at close(), on collection or at exit (weakref.finalize's atexit hook).
+        self._closer = weakref.finalize(self, self.engine.close)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,
@@ -56,8 +71,9 @@ class LLM:
         return [done[i] for i in ids]
 
     def close(self) -> None:
-        """Finish writing segments to the tiers below the pool and stop publishing KV events."""
-        self.engine.close()
+        """Finish writing segments to the tiers below the pool and stop publishing KV events (again:
+        nothing)."""
+        self._closer()
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -72,11 +72,18 @@ def test_stored_kv_is_the_mean_over_its_contexts(default_model_dir, monkeypatch:
     context = store.context
     engine.add_request(_prompt(0), ONE)
     first = engine.step()
-    # The first token goes out before any store work; the copy and both contexts follow, as background.
+    # The first token goes out before any store work; the copy follows, as background.
     assert first[0].output is not None and len(store) == 0
     while engine.has_unfinished():
         assert engine.step() == []
     tokens0, k_prompt, v_prompt = _in_place(llm, 0)
+    # Seen once, the document costs its in-place prefill: stored with that KV, nothing computed after.
+    assert _stored(llm, tokens0)[0] == 1 and store.stats.sampled_tokens == 0
+    assert engine.stats().background_tokens == 0
+    # Seen again, it is computed after two more contexts, as background work after that request.
+    llm.generate([_prompt(0)], ONE)
+    while engine.has_unfinished():
+        engine.step()
     # The first document has no other segment to draw a context from: both extra contexts are the
     # canonical one, whose KV is computed once and moved in.
     k_canon, v_canon = _kv(llm, [*context, *tokens0], len(context), len(context) + len(tokens0))
@@ -89,9 +96,10 @@ def test_stored_kv_is_the_mean_over_its_contexts(default_model_dir, monkeypatch:
     # Not the single context's KV: the mean moved it.
     assert (k - k_prompt).abs().max() > 1e-2
 
-    llm.generate([_prompt(1)], ONE)
-    while engine.has_unfinished():
-        engine.step()
+    for _ in range(2):
+        llm.generate([_prompt(1)], ONE)
+        while engine.has_unfinished():
+            engine.step()
     tokens1, k_prompt, v_prompt = _in_place(llm, 1)
     # The second document's contexts end with the first document, the only other segment held, whose
     # stored KV (the mean above) is moved there; the canonical text before it is the canonical
@@ -103,6 +111,8 @@ def test_stored_kv_is_the_mean_over_its_contexts(default_model_dir, monkeypatch:
     torch.testing.assert_close(v1, (v_prompt + 2 * v_other) / 3, atol=1e-4, rtol=1e-4)
     # Computed for the second document: itself, twice.
     assert store.stats.sampled_tokens == len(context) + 2 * len(tokens0) + 2 * len(tokens1)
+    # Every background token is counted: the samples are all the background work there was here.
+    assert engine.stats().background_tokens == store.stats.sampled_tokens
 
 
 def _after_stored(

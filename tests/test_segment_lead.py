@@ -30,11 +30,18 @@ LONG_HEAD = "Read the documents below with care, then answer the question that f
 
 def _warm(**config: object) -> LLM:
     """An engine whose store holds both documents, stored from a prompt that starts with HEAD, then
-    DOC_B: DOC_A's stored KV saw DOC_B before it."""
+    DOC_B: DOC_A's stored KV saw DOC_B before it. Both have their lead KV after HEAD: DOC_B's copied
+    from that prompt, which it opened; DOC_A's computed once a second prompt opens with it (under other
+    repair settings, so that the prefix cache keeps that prompt's KV of DOC_A under keys no later
+    request here matches)."""
     llm = LLM(prefix_cache="radix", auto_segments=False, repair="none", kv_cache_gb=0.5, **config)
-    llm.generate([[HEAD, Segment(DOC_B), Segment(DOC_A), QUESTION]], PARAMS)
-    while llm.engine.has_unfinished():  # the store work, after the request
-        llm.engine.step()
+    for prompt, options in (
+        ([HEAD, Segment(DOC_B), Segment(DOC_A), QUESTION], None),
+        ([HEAD, Segment(DOC_A), "Question: What is it?\nAnswer:"], RequestOptions(repair="boundary")),
+    ):
+        llm.generate([prompt], PARAMS, options)
+        while llm.engine.has_unfinished():  # the store work, after the request
+            llm.engine.step()
     return llm
 
 

@@ -159,8 +159,13 @@ def test_chat_documents_reordered_hit_the_segment_store(
     assert 0 < second.prefix_hit_tokens <= len(tokenizer.encode(leading))
     assert second.prompt_tokens_details.cached_tokens == second.prefix_hit_tokens + second.segment_hit_tokens
     assert second.recomputed_tokens <= second.segment_hit_tokens
-    # DOCS[2] now opens the documents, after the same head as in the first request: its lead KV.
-    assert second.segment_lead_tokens == doc_tokens[2]
+    # DOCS[2] now opens the documents, after the same head as in the first request. Seen once, it has
+    # no lead KV (only DOCS[0], which opened the first request, has it, copied from there): this request
+    # has it computed, and the next that opens with it splices it from there, exact.
+    assert second.segment_lead_tokens == 0
+    wait_idle(server)
+    third = ask([DOCS[2], DOCS[1], DOCS[0]], "tenant-a")
+    assert third.segment_lead_tokens == doc_tokens[2]
     # Another tenant shares nothing.
     other = ask([DOCS[2], DOCS[0], DOCS[1]], "tenant-b")
     assert other.segment_hit_tokens == 0 and other.prefix_hit_tokens == 0

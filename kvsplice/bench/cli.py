@@ -22,6 +22,8 @@ WORKLOAD_HELP = {
     "fewshot": "the same labelled examples in a new order per request; accuracy",
     "recall": "multi-document fact recall with same-kind distractors, 4, 8 and 12 documents, the answer "
     "first, middle or last; accuracy with confidence intervals by setting and position",
+    "traffic": "real servers (splice, radix, hash) under open-loop Poisson load of plain RAG chat requests: "
+    "TTFT, throughput, goodput, compute with background work, reuse (kvsplice/bench/traffic.py)",
 }
 
 
@@ -98,6 +100,16 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
         help="also send every request without markup (one plain string) to a twin of each splice "
         "system, named <system>/plain: what auto_segments finds next to what the markup gives",
     )
+    traffic = parser.add_argument_group(
+        "traffic (--requests: per mix, rate and system; --docs: passages each)"
+    )
+    traffic.add_argument("--mixes", nargs="+", help="popular, novel (default: both)")
+    traffic.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        help="requests/s (default: 0.25, 0.5, 1 and 2 x the requests/s one idle server sustains, measured)",
+    )
     run = parser.add_argument_group("run")
     run.add_argument(
         "--skip-warmup",
@@ -105,9 +117,19 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
         help="send only the measured requests: shared content is new to every pool, so with "
         "--store-dir or --store-url filled by an earlier run it comes from there, as after a restart",
     )
-    run.add_argument("--out", type=Path, default=None, help="output directory (default: out/bench/WORKLOAD)")
+    run.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: out/bench/WORKLOAD; traffic: bench/results/traffic)",
+    )
     run.add_argument("--continuation", type=int, default=16, help="greedy tokens compared per request")
-    run.add_argument("--kv-cache-gb", type=float, default=8.0, help="all engines' KV pools together, at most")
+    run.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=8.0,
+        help="all engines' (traffic: servers') KV pools together, at most",
+    )
     run.add_argument("--no-plots", action="store_true")
     run.add_argument("--no-progress", action="store_true")
     engine = parser.add_argument_group("engine (as for kvsplice serve; the systems set the rest)")
@@ -116,6 +138,9 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    if args.workload == "traffic":
+        _traffic(args)
+        return
     from kvsplice.bench.harness import BenchConfig, run_bench
     from kvsplice.bench.report import write
 
@@ -157,3 +182,14 @@ def _bench(args: argparse.Namespace) -> None:
     report = write(result, out, plots=not args.no_plots)
     print(report)
     print(f"[wrote {out / 'report.md'}, {out / 'results.json'}]", file=sys.stderr)
+
+
+def _traffic(args: argparse.Namespace) -> None:
+    """traffic drives `kvsplice serve` processes rather than in-process engines: a module of its own."""
+    from kvsplice.bench import traffic
+
+    try:
+        config = traffic.config_from_args(args)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from err
+    traffic.main(config, args.out)

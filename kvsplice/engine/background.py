@@ -1,14 +1,20 @@
-"""The engine's store work: putting the segments requests missed into the segment store, as background.
+"""The engine's background work for the segment store: every token of it counted (computed_tokens).
 
     queue(namespace, block_table, prefill)   after a prefill's last chunk: what it missed, and the spans
                                              it moved from earlier prompts, are queued
     pending_kv()                             where each queued segment's KV is until it is copied
     copy(segments)                           copy queued captures into the store, segment by segment (tens
-                                             of milliseconds each), and let go of the blocks held for them
+                                             of milliseconds each), and let go of the blocks held for them;
+                                             each goes to the tiers below at once
     fill(tokens)                             one chunk of a stored segment computed after another
-                                             context (segment_contexts > 1) or at a prompt's start
-                                             (segment_lead_kv), or of the canonical context (once,
-                                             before the first context sample)
+                                             context (segment_kv.CONTEXTS) or at a prompt's start (lead
+                                             KV), or of the canonical context (once, before the first
+                                             context sample)
+
+Quality work is paid only where reuse pays it back. A segment seen once costs its in-place prefill
+and a copy: its KV is the prompt's, and if it opened that prompt its lead KV is copied from there too.
+Its other contexts are computed once it is seen again (a prefill splices it), and its lead KV once a
+prompt opens with it and finds none.
 
 None of it runs in a step with a prefill in it or a request waiting (the scheduler leaves no
 background budget there), so no first token waits for another request's store work. A request
@@ -27,9 +33,16 @@ from dataclasses import dataclass
 from kvsplice.cache.segments import SegmentStore
 from kvsplice.kv.pool import KVPool
 from kvsplice.models.runner import ModelRunner
+from kvsplice.plan import SpanKind
 from kvsplice.reuse.lower_tiers import LowerTiers
 from kvsplice.reuse.path import MissedSegment, PendingKV, Prefill
-from kvsplice.reuse.segment_kv import CanonicalContextFill, ContextSample, LeadFill, capture_in_place
+from kvsplice.reuse.segment_kv import (
+    CanonicalContextFill,
+    ContextSample,
+    LeadFill,
+    capture_in_place,
+    capture_lead_in_place,
+)
 from kvsplice.reuse.work import PrefillWork
 
 Fill = ContextSample | CanonicalContextFill | LeadFill
@@ -45,8 +58,11 @@ class _Copy:
     blocks: list[int]
     segment: MissedSegment
     release: bool
-    # The head of the prompt that carried it, for its lead KV (prefill.lead_head).
+    # The head of the prompt that carried it (path.lead_head), and whether the segment opened that
+    # prompt right after it with exact KV before and in it: its KV in place is then its lead KV,
+    # copied with it (the head's KV from the slots before it) instead of computed again.
     head: tuple[int, ...]
+    lead_in_place: bool = False
 
 
 class BackgroundWork:
@@ -69,6 +85,8 @@ class BackgroundWork:
         # Stored segments to compute after another context or at a prompt's start, or the canonical
         # context; the one being computed.
         self._fills: deque[Fill] = deque()
+        # Segments seen again while their copy into the store was queued: their contexts follow it.
+        self._recurring: set[tuple[Hashable, tuple[int, ...]]] = set()
         self._filling: tuple[Fill, PrefillWork] | None = None
         self.samples_dropped = 0
         self.leads_dropped = 0
@@ -101,6 +119,8 @@ class BackgroundWork:
             self._lead(promoted.namespace, promoted.tokens, head)
         for tokens in prefill.lead_missing:
             self._lead(namespace, tokens, head)
+        for tokens in prefill.recurring:
+            self._recurred(namespace, tokens)
         for b in prefill.borrowed:
             # Copied from the earlier prompt's KV, whose blocks the prefill has held since it was planned.
             self._copies.append(
@@ -113,9 +133,19 @@ class BackgroundWork:
         last = max(m.start + len(m.tokens) for m in prefill.missed)
         blocks = block_table[: -(-last // self.pool.block_size)]
         self.pool.allocator.incref(blocks)
+        # The KV before a missed segment is this request's own where its prefix hit ends before it (a hit
+        # under segment keys may hold another request's spliced KV), and exact up to `exact`.
+        exact, own_from = prefill.exact_until, prefill.plan.tokens(SpanKind.EXACT)
         for i, missed in enumerate(prefill.missed):
             release = i == len(prefill.missed) - 1
-            self._copies.append(_Copy(namespace, blocks, missed, release, head))
+            end = missed.start + len(missed.tokens)
+            in_place = (
+                bool(head)
+                and missed.start == len(head)
+                and own_from <= missed.start
+                and (exact is None or exact >= end)
+            )
+            self._copies.append(_Copy(namespace, blocks, missed, release, head, in_place))
 
     def pending_kv(self) -> dict[tuple[Hashable, tuple[int, ...]], PendingKV]:
         """Where each segment whose copy is queued has its KV: in the blocks of the request that computed
@@ -136,7 +166,10 @@ class BackgroundWork:
                 self.store, self.pool, runner.cfg, runner.freqs, c.namespace, m.tokens, c.blocks, m.start
             )
             if captured:
-                self._stored(c.namespace, m.tokens, c.head)
+                if c.lead_in_place and self._keeps_lead:
+                    capture_lead_in_place(self.store, self.pool, c.namespace, m.tokens, c.head, c.blocks)
+                self._stored(c.namespace, m.tokens)
+            self._recurring.discard((c.namespace, m.tokens))
             if c.release:
                 self.pool.allocator.decref(reversed(c.blocks))
             done += 1
@@ -169,13 +202,40 @@ class BackgroundWork:
             if isinstance(fill, ContextSample):
                 self._sampled(fill)
 
-    def _stored(self, namespace: Hashable, tokens: tuple[int, ...], head: tuple[int, ...]) -> None:
-        """A segment entered the store: queue its lead KV and its other contexts, or, with no context to
-        come, write it to the tiers below (which hold the mean KV only, not the lead KV)."""
-        self._lead(namespace, tokens, head)
-        if self.segment_contexts == 1 or not self.store.context:
-            # Without a canonical context (a model without a tokenizer) there is no context to vary.
-            self._write_through(namespace, tokens)
+    @property
+    def _keeps_lead(self) -> bool:
+        """Lead KV is kept where the engine keeps it and the store has a context (a model with a
+        tokenizer)."""
+        return self.segment_lead_kv and bool(self.store.context)
+
+    def _stored(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
+        """A segment entered the store with its KV from the prompt that carried it: it goes to the tiers
+        below at once (they hold one KV per segment, not the lead KV), and where it was seen again
+        meanwhile (its copy was still queued), its other contexts are queued."""
+        self._write_through(namespace, tokens)
+        if (namespace, tokens) in self._recurring:
+            self._contexts(namespace, tokens)
+
+    def _recurred(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
+        """A prefill spliced a stored segment (or one whose copy is queued): seen twice, it is worth
+        computing after more contexts. A segment seen once costs its in-place prefill and no more."""
+        if self.store.contains(namespace, tokens):
+            self._contexts(namespace, tokens)
+        elif any(c.namespace == namespace and c.segment.tokens == tokens for c in self._copies):
+            self._recurring.add((namespace, tokens))
+
+    def _contexts(self, namespace: Hashable, tokens: tuple[int, ...]) -> None:
+        """Queue a stored segment's other contexts, unless it has them or they are queued. Without a
+        canonical context (a model without a tokenizer) there is no context to vary."""
+        entry = self.store.peek(namespace, tokens)
+        assert entry is not None
+        if self.segment_contexts == 1 or not self.store.context or entry.contexts > 1:
+            return
+        filling = () if self._filling is None else (self._filling[0],)
+        if any(
+            isinstance(f, ContextSample) and (f.namespace, f.tokens) == (namespace, tokens)
+            for f in (*self._fills, *filling)
+        ):
             return
         if self.store.context_blocks is None and not any(
             isinstance(f, CanonicalContextFill) for f in self._fills
@@ -195,7 +255,7 @@ class BackgroundWork:
         token, BOS), where the engine keeps lead KV and the store has a context (a model with a
         tokenizer). Not twice: prompts admitted together that open with the same segment each report
         it missing, and a second fill would only be dropped, after inflating the queue."""
-        if self.segment_lead_kv and self.store.context and not self._lead_queued(namespace, tokens):
+        if self._keeps_lead and not self._lead_queued(namespace, tokens):
             head = head or self.store.context[:1]
             self._fills.append(
                 LeadFill(self.store, self.pool, self.runner.num_layers, namespace, tokens, head)
@@ -208,18 +268,9 @@ class BackgroundWork:
             for f in (*self._fills, *filling)
         )
 
-    def write_unsampled(self) -> None:
-        """At close: segments whose extra contexts are still queued go to the tiers below with the
-        contexts they have (the queued ones are not computed), rather than never."""
-        queued = [f for f in self._fills if isinstance(f, ContextSample)]
-        if self._filling is not None and isinstance(self._filling[0], ContextSample):
-            queued.append(self._filling[0])
-        for namespace, tokens in dict.fromkeys((f.namespace, f.tokens) for f in queued):
-            self._write_through(namespace, tokens)
-
     def _sampled(self, sample: ContextSample) -> None:
-        """A context sample is done or dropped: after the last, the segment's KV is final for the tiers
-        below (they hold a segment once, so it goes when no more samples will change it)."""
+        """A context sample is done or dropped: after the last, the segment's mean KV replaces the
+        in-place KV the tiers below were given when it was stored."""
         if sample.index == self.segment_contexts - 1:
             self._write_through(sample.namespace, sample.tokens)
 

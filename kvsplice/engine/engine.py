@@ -119,6 +119,7 @@ class Engine:
         self._to_index: list[tuple[Hashable, tuple[int, ...]]] = []
         # Compute of requests' prefills and of decode steps, in tokens and FLOPs (Engine.stats).
         self._prefill_tokens = self._decode_tokens = 0
+        self._closed = False
         self._prefill_flops = self._decode_flops = 0.0
 
     # -- requests ---------------------------------------------------------------------------------
@@ -258,10 +259,13 @@ class Engine:
         """Copy the segments queued for the store (the last requests' new documents: a copy is cheap,
         and without it they would never reach the tiers below), finish the tiers' queued writes (a few
         seconds at most) and the queued KV events, then release them. Requests still in the engine are
-        not run, nor queued fills (extra contexts, lead KV), which would compute: a segment still
-        waiting for contexts goes to the tiers with those it has."""
+        not run, nor queued fills (extra contexts, lead KV), which would compute: the tiers hold each
+        segment's KV from the prompt that brought it, written when it was stored. Closing twice does
+        nothing more."""
+        if self._closed:
+            return
+        self._closed = True
         self.background.copy()
-        self.background.write_unsampled()
         if self.lower is not None:
             self.lower.close()
         if self.events is not None:

@@ -128,6 +128,9 @@ class Prefill:
     # Stored segments that open this prompt but have no lead KV (dropped for memory, or not computed
     # yet: a LeadFill for one that has it by the time it runs does nothing): to compute.
     lead_missing: tuple[tuple[int, ...], ...] = ()
+    # Segments this prefill took from the store or from a queued copy, not from a tier below: seen
+    # again, so worth the background work that brings their stored KV closer to a full prefill's.
+    recurring: tuple[tuple[int, ...], ...] = ()
 
     @property
     def recomputed(self) -> int:
@@ -210,10 +213,14 @@ class ReusePath:
         lead_missing: list[tuple[int, ...]] = []
         available: list[tuple[int, int, int]] = []
         missed: list[MissedSegment] = []
+        promoted_tokens = {p.tokens for p in promoted}
+        recurring: list[tuple[int, ...]] = []
         for index, tokens in wanted.items():
             span = prompt.segments[index]
             entry = self.store.lookup(namespace, tokens)
             queued = pending.get((namespace, tokens)) if entry is None else None
+            if (entry is not None or queued is not None) and tokens not in promoted_tokens:
+                recurring.append(tokens)
             if entry is not None:
                 if entry.lead_blocks is not None and span.start <= LEAD_HEAD_TOKENS:
                     # At the prompt's start: the KV computed there (after a prompt's head).
@@ -249,6 +256,7 @@ class ReusePath:
                 if entry is None:
                     # Evicted since the lookup (admission and promotions allocate): computed instead.
                     continue
+                recurring.append(reused.tokens)
                 position = self.store.start_position + reused.offset
                 sources[index] = _KVSource(entry.blocks, reused.offset, position)
                 available.append((reused.start, reused.end, index))
@@ -311,6 +319,7 @@ class ReusePath:
             promoted=promoted,
             borrowed=tuple(borrowed),
             lead_missing=tuple(lead_missing),
+            recurring=tuple(dict.fromkeys(recurring)),
         )
 
     def _exact_lead(self, namespace: Hashable, prompt: ParsedPrompt) -> int | None:

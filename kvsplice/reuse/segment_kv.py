@@ -64,6 +64,36 @@ def capture_in_place(
     return True
 
 
+def capture_lead_in_place(
+    store: SegmentStore,
+    pool: KVPool,
+    namespace: Hashable,
+    tokens: tuple[int, ...],
+    head: tuple[int, ...],
+    block_table: Sequence[int],
+) -> bool:
+    """Give a stored segment the lead KV a request computed for it: the request opened with `head`, then
+    the segment, all exact, so positions 0.. of `block_table` hold what `LeadFill` would compute (the
+    head's KV, then the segment's after it). Copied, not computed. False when the entry is gone or has
+    lead KV, or memory is short."""
+    entry = store.peek(namespace, tokens)
+    if entry is None or entry.lead_blocks is not None:
+        return False
+    n = len(head) + len(tokens)
+    try:
+        blocks = pool.allocator.allocate(-(-n // pool.block_size))
+    except OutOfBlocksError:
+        return False
+    # The allocation may have evicted the entry it was for.
+    if store.peek(namespace, tokens) is not entry:
+        pool.allocator.decref(reversed(blocks))
+        return False
+    local = torch.arange(n, device=pool.device)
+    pool.copy_slots(pool.slots(list(block_table), local), pool.slots(blocks, local))
+    store.attach_lead(entry, blocks, head)
+    return True
+
+
 def _whole_sequence(
     pool: KVPool, sequence: tuple[int, ...], num_layers: int
 ) -> tuple[list[int], PrefillWork] | None:
