@@ -67,12 +67,3 @@ class RequestOptions:
     def namespace(self, model: str) -> Hashable:
         """What KV may be shared within: the same model and the same salt."""
         return (model, self.cache_salt)
-
-
-def salt_key(namespace: Hashable) -> str:
-    """The part of a `namespace` that entries below the pool and KV events are keyed by: the cache salt
-    ("" for none). The model part is the store fingerprint's: a path differs between machines that
-    serve the same weights."""
-    assert isinstance(namespace, tuple) and len(namespace) == 2, "a namespace is (model, cache_salt)"
-    salt = namespace[1]
-    return "" if salt is None else "salt:" + salt

@@ -22,7 +22,7 @@ from kvsplice.bench.metrics import (
     summarize,
     top1_agree,
 )
-from kvsplice.bench.report import markdown, summary_table
+from kvsplice.bench.report import HEADLINE_COLUMNS, markdown, summary_table
 from kvsplice.bench.results import BenchResult, MachineInfo
 from kvsplice.bench.systems import (
     SWEEP_BUDGETS,
@@ -277,12 +277,58 @@ def test_report_shows_failures_and_turns_and_round_trips_through_json() -> None:
     ]
     result = _result(records, ["off", "radix"])
     text = markdown(result, ["frontier.png"])
-    assert "## Per turn" in text and "| 1 | 100 | 1,000 | failed |" in text
+    assert "### Per turn" in text and "| 1 | 100 | 1,000 | failed |" in text
     assert "- `radix`: 1× RuntimeError: boom" in text
     assert "a note" in text and "![frontier](frontier.png)" in text
     assert "load average 1.00 / 1.00 / 1.00 at the start" in text
     again = BenchResult.from_json(result.to_json())
     assert again == result
+
+
+def test_the_report_opens_with_the_headline_table_then_the_details() -> None:
+    records = [
+        _record("off", "r0", ttft_s=2.0, kl=0.0, top1=True, same_continuation=True, reference_flops=1000.0),
+        _record(
+            "splice:none@0",
+            "r0",
+            ttft_s=0.5,
+            ttft_speedup=4.0,
+            prefix_hit_tokens=10,
+            segment_hit_tokens=70,
+            discovered_hit_tokens=5,
+            computed_tokens=15,
+            recomputed_tokens=5,
+            prefill_flops=200.0,
+            background_flops=100.0,
+            reference_flops=1000.0,
+            kl=0.02,
+            top1=True,
+            same_continuation=False,
+        ),
+        RequestRecord("radix", "r0", error="RuntimeError: boom"),
+    ]
+    text = markdown(_result(records, ["off", "splice:none@0", "radix"]))
+    tables = [line for line in text.splitlines() if line.startswith("| system |")]
+    head = tables[0]
+    assert head == "| system | " + " | ".join(HEADLINE_COLUMNS) + " |"
+    assert [c.strip() for c in head.strip("|").split("|")] == [
+        "system",
+        "TTFT p50 (ms)",
+        "speedup",
+        "reused",
+        "computed",
+        "total compute",
+        "KL",
+        "first token",
+        "same continuation",
+    ]
+    # reused: prefix + segment + found; computed counts the recomputed; total compute the background.
+    assert "| splice:none@0 | 500 | 4.00× | 85.0% | 20.0% | 30.0% | 0.0200 | 100% | 0% |" in text
+    assert "| radix (**1 of 1 failed**) |" + " failed |" * 8 in text
+    # The headline and its legend come first; every column follows under Details.
+    assert text.index(head) < text.index("total compute:") < text.index("## Details") < text.index(tables[1])
+    assert tables[1].startswith("| system | done | TTFT p50 ms |") and "| splice:none@0 | 1/1 |" in text
+    assert text.index("## Failures") < text.index("## Details") < text.index("### Per turn")
 
 
 def test_summary_rerenders_runs_and_draws_reuse_by_workload(

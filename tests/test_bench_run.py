@@ -64,7 +64,7 @@ def test_rag_side_by_side_on_a_tiny_model(tiny_dir: Path, tmp_path: Path) -> Non
     assert (tmp_path / "report.md").read_text() == report
     for name in ("results.json", "frontier.png", "reuse.png"):
         assert (tmp_path / name).stat().st_size > 0
-    assert "| splice:deviation@15 | 2/2 |" in report and "## Per turn" not in report
+    assert "| splice:deviation@15 | 2/2 |" in report and "### Per turn" not in report
     assert BenchResult.from_json((tmp_path / "results.json").read_text()) == result
 
 
@@ -90,7 +90,7 @@ def test_a_failing_system_is_shown_failed_and_the_rest_still_run(
     assert len(result.records) == 4 * 6
     report = write_report(result, tmp_path)
     assert "5/6 (**1 failed**)" in report and "injected failure" in report
-    assert "## Per turn" in report and (tmp_path / "turns.png").exists()
+    assert "### Per turn" in report and (tmp_path / "turns.png").exists()
     # Per turn, the prefix caches compute only what the previous turn did not have.
     turns = {(t.turn, t.system): t for t in result.turns}
     assert turns[(2, "radix")].computed_mean < turns[(2, "off")].computed_mean  # type: ignore[operator]
@@ -106,7 +106,10 @@ def test_cli_runs_a_bench_and_refuses_bad_names(
     args += ["--block-size", "8"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "| splice:none@0 | 1/1 |" in out and "# kvsplice bench: qa" in out
+    # The terminal gets the headline; report.md has every column too.
+    assert "| splice:none@0 | " in out and "# kvsplice bench: qa" in out and "## Details" not in out
+    assert f"Every column, notes and plots: {tmp_path / 'report.md'}" in out
+    assert "| splice:none@0 | 1/1 |" in (tmp_path / "report.md").read_text()
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["systems"] == ["off", "radix", "splice:none@0"]
     assert saved["model"]["block_size"] == 8
@@ -193,8 +196,8 @@ def test_a_run_after_a_restart_loads_the_documents_from_the_disk_tier(tiny_dir: 
     assert cold.tier_stats == {}
     assert all(not r.store_hit_tokens for r in cold.records)
     report = write_report(again, tmp_path / "out", plots=False)
-    assert "## Store tiers" in report and "from disk" in report
-    assert "## Store tiers" not in write_report(cold, tmp_path / "cold", plots=False)
+    assert "### Store tiers" in report and "from disk" in report
+    assert "### Store tiers" not in write_report(cold, tmp_path / "cold", plots=False)
     saved = BenchResult.from_json((tmp_path / "out" / "results.json").read_text())
     assert saved.tier_stats == again.tier_stats
 

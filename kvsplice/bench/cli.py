@@ -1,5 +1,5 @@
-"""`kvsplice bench WORKLOAD`: run a workload on the systems side by side, print the report, write
-DIR/report.md, DIR/results.json and the plots."""
+"""`kvsplice bench WORKLOAD`: run a workload on the systems side by side, print the headline table,
+write DIR/report.md (the headline, then every column and the details), DIR/results.json and the plots."""
 
 from __future__ import annotations
 
@@ -131,6 +131,12 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
         help="all engines' (traffic: servers') KV pools together, at most",
     )
     run.add_argument("--no-plots", action="store_true")
+    run.add_argument(
+        "--details",
+        action="store_true",
+        help="print the whole report (every column, per-turn and per-setting tables, notes), not only "
+        "the headline table; DIR/report.md has it either way (traffic prints its whole report)",
+    )
     run.add_argument("--no-progress", action="store_true")
     engine = parser.add_argument_group("engine (as for kvsplice serve; the systems set the rest)")
     EngineConfig.add_args(engine, exclude=SET_PER_ENGINE)
@@ -142,7 +148,7 @@ def _bench(args: argparse.Namespace) -> None:
         _traffic(args)
         return
     from kvsplice.bench.harness import BenchConfig, run_bench
-    from kvsplice.bench.report import write
+    from kvsplice.bench.report import headline, write
 
     try:
         budgets = tuple(_numbers(" ".join(args.budgets))) if args.budgets else None
@@ -180,7 +186,9 @@ def _bench(args: argparse.Namespace) -> None:
     result = run_bench(config, workload)
     out = args.out or Path("out") / "bench" / args.workload
     report = write(result, out, plots=not args.no_plots)
-    print(report)
+    print(
+        report if args.details else headline(result) + f"\nEvery column, notes and plots: {out / 'report.md'}"
+    )
     print(f"[wrote {out / 'report.md'}, {out / 'results.json'}]", file=sys.stderr)
 
 

@@ -1,4 +1,4 @@
-"""The markdown report of a bench run (stdout and DIR/report.md), and writing a run's files."""
+"""The markdown report of a bench run (DIR/report.md; its headline on stdout), and writing a run's files."""
 
 from __future__ import annotations
 
@@ -17,6 +17,17 @@ from kvsplice.bench.metrics import (
 from kvsplice.bench.results import BenchResult
 from kvsplice.bench.stats import Interval
 
+HEADLINE_LEGEND = (
+    "TTFT p50: median time to first token. speedup: median over requests of the full prefill's TTFT "
+    "over the system's. reused: share of the prompt tokens whose KV was reused rather than computed "
+    "(from the prefix cache, the segment store, or spans found without markup). computed: share of "
+    "the prompt tokens computed, counting reused tokens that repair recomputed (they count in both). "
+    "total compute: FLOPs spent on the request, with the work the engine did for it in the "
+    "background, as a share of the full prefill's. KL: mean KL divergence of the first generated "
+    "token's distribution from the full prefill's, in nats (0: the same). first token: share of "
+    "requests whose most likely first token is the full prefill's. same continuation: share whose "
+    "greedy continuation of {continuation} tokens is the full prefill's, token for token."
+)
 LEGEND = (
     "TTFT: time to first token (p50, p95); speedup: median over requests of the full prefill's TTFT "
     "over the system's. computed: prompt tokens computed plus reused tokens recomputed by repair, as a "
@@ -72,6 +83,45 @@ def _mib(value: int | None) -> str:
         return "–"
     mib = value / 2**20
     return f"{mib:,.0f}" if mib >= 10 else f"{mib:.2f}"
+
+
+HEADLINE_COLUMNS = (
+    "TTFT p50 (ms)",
+    "speedup",
+    "reused",
+    "computed",
+    "total compute",
+    "KL",
+    "first token",
+    "same continuation",
+)
+
+
+def _reused(s: SystemSummary) -> float | None:
+    parts = (s.prefix_hit_frac, s.segment_hit_frac, s.discovered_hit_frac)
+    return None if all(p is None for p in parts) else sum(p or 0.0 for p in parts)
+
+
+def headline_table(summaries: list[SystemSummary]) -> str:
+    """Is it faster, and is it the same: a row per system, against the full prefill."""
+    rows = ["| system | " + " | ".join(HEADLINE_COLUMNS) + " |", "|---|" + "---:|" * len(HEADLINE_COLUMNS)]
+    for s in summaries:
+        name = s.system + (f" (**{s.failed} of {s.requests} failed**)" if s.failed else "")
+        if s.failed == s.requests and s.requests:
+            rows.append(f"| {name} |" + " failed |" * len(HEADLINE_COLUMNS))
+            continue
+        cells = [
+            _ms(s.ttft_p50_s),
+            _times(s.speedup_p50),
+            _pct(_reused(s), 1),
+            _pct(s.computed_frac, 1),
+            _pct(s.total_flops_frac, 1),
+            _kl(s.kl_mean),
+            _pct(s.top1_rate),
+            _pct(s.same_rate),
+        ]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def summary_table(summaries: list[SystemSummary], continuation: int) -> str:
@@ -179,7 +229,7 @@ def breakdown_tables(rows: list[GroupSummary], reference: str) -> str:
         ]
         lines.append(f"| {row.answer_position} | {row.system} | {done} | " + " | ".join(cells) + " |")
     return "\n\n".join(
-        f"### {'All settings' if setting == ALL else setting}\n\n" + "\n".join(lines)
+        f"#### {'All settings' if setting == ALL else setting}\n\n" + "\n".join(lines)
         for setting, lines in tables.items()
     )
 
@@ -219,7 +269,9 @@ def turn_tables(turns: list[TurnSummary], systems: list[str]) -> str:
     )
 
 
-def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
+def headline(result: BenchResult) -> str:
+    """The report's opening, all the terminal shows by default: the run, the headline table and
+    its legend, and the failures if any."""
     r, m = result, result.machine
     spec = r.spec
     measured = sum(1 for x in r.records if x.system == r.systems[0] and not x.warmup)
@@ -264,33 +316,53 @@ def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
         "",
         f"Reference: `{r.systems[0]}`, a full prefill of the same prompt in the same run.",
         "",
+        headline_table(r.summaries),
+        "",
+        HEADLINE_LEGEND.format(continuation=r.continuation_tokens),
+    ]
+    failures = Counter((x.system, x.error) for x in r.records if x.error is not None)
+    if failures:
+        lines += ["", "## Failures", ""]
+        lines += [f"- `{system}`: {count}× {error}" for (system, error), count in failures.items()]
+    return "\n".join(lines) + "\n"
+
+
+def details(result: BenchResult, plots: list[str] | None = None) -> str:
+    """The rest of the report: every column, then the sections the run has."""
+    r = result
+    lines = [
+        "## Details",
+        "",
+        "### Every column",
+        "",
         summary_table(r.summaries, r.continuation_tokens),
         "",
         LEGEND.format(close=f"{KL_CLOSE:g}"),
     ]
     if r.tier_stats:
-        lines += ["", "## Store tiers", "", store_tables(r.summaries, r.tier_stats), "", STORE_LEGEND]
+        lines += ["", "### Store tiers", "", store_tables(r.summaries, r.tier_stats), "", STORE_LEGEND]
     if r.turns:
-        lines += ["", "## Per turn", "", turn_tables(r.turns, r.systems)]
+        lines += ["", "### Per turn", "", turn_tables(r.turns, r.systems)]
     groups = by_group(r.records, r.systems)
     if groups:
         lines += [
             "",
-            "## By setting and answer position",
+            "### By setting and answer position",
             "",
             breakdown_tables(groups, r.systems[0]),
             "",
             BREAKDOWN_LEGEND.format(reference=r.systems[0], sure=SURE_MARGIN),
         ]
-    failures = Counter((x.system, x.error) for x in r.records if x.error is not None)
-    if failures:
-        lines += ["", "## Failures", ""]
-        lines += [f"- `{system}`: {count}× {error}" for (system, error), count in failures.items()]
     if r.notes:
-        lines += ["", "## Notes", ""] + [f"- {note}" for note in r.notes]
+        lines += ["", "### Notes", ""] + [f"- {note}" for note in r.notes]
     if plots:
-        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+        lines += ["", "### Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def markdown(result: BenchResult, plots: list[str] | None = None) -> str:
+    """The whole report: the headline, then the details."""
+    return headline(result) + "\n" + details(result, plots)
 
 
 def _count(n: int) -> str:

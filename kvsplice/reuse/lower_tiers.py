@@ -26,9 +26,9 @@ from kvsplice.config import EngineConfig
 from kvsplice.errors import OutOfBlocksError
 from kvsplice.kv.pool import KVPool
 from kvsplice.model_config import ModelConfig
-from kvsplice.options import salt_key
 from kvsplice.reuse import segment_kv
 from kvsplice.tiers import KVFingerprint, SegmentKV, TieredStore
+from kvsplice.tiers.entry import salt_key
 
 # Written by loader/gguf.py next to a converted model: it names the GGUF's sha256.
 CONVERSION_MARKER = "kvsplice-conversion.json"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,3 +211,12 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 
 def _payload_offset(header_len: int) -> int:
     return -(-(_PREFIX.size + header_len) // ALIGN) * ALIGN
+
+
+def salt_key(namespace: Hashable) -> str:
+    """The part of a `namespace` that entries below the pool and KV events are keyed by: the cache salt
+    ("" for none). The model part is the store fingerprint's: a path differs between machines that
+    serve the same weights."""
+    assert isinstance(namespace, tuple) and len(namespace) == 2, "a namespace is (model, cache_salt)"
+    salt = namespace[1]
+    return "" if salt is None else "salt:" + salt

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from kvsplice.options import salt_key
+from kvsplice.tiers.entry import salt_key
 from kvsplice.tiers.events import (
     BlockRemoved,
     BlockStored,
