@@ -70,6 +70,11 @@ class EngineConfig:
         default=True,
     )
     seed: int = _opt("seed for sampling when a request gives none", default=0)
+    audit_ratio: float = _opt(
+        "share of spliced requests also prefilled in full as background work, to measure how far "
+        "splicing is from a full prefill on this traffic (GET /audit, /metrics); 0: off",
+        default=0.02,
+    )
     store: StoreConfig | None = field(
         default=None,
         metadata={
@@ -108,6 +113,7 @@ class EngineConfig:
         _check(self.max_waiting >= 0, "max_waiting must be >= 0")
         _check(0.0 <= self.recompute_ratio <= 1.0, "recompute_ratio must be in [0, 1]")
         _check(0.0 <= self.repair_fallback_margin <= 1.0, "repair_fallback_margin must be in [0, 1]")
+        _check(0.0 <= self.audit_ratio <= 1.0, "audit_ratio must be in [0, 1]")
         _check(self.prefix_cache in PREFIX_CACHE_NAMES, f"prefix_cache must be one of {PREFIX_CACHE_NAMES}")
         _check(self.repair in POLICY_NAMES, f"repair must be one of {POLICY_NAMES}")
         for name, cls in NESTED.items():

@@ -31,6 +31,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from kvsplice.cache.segments import SegmentStore
+from kvsplice.engine.audit import AuditFill
 from kvsplice.kv.pool import KVPool
 from kvsplice.models.runner import ModelRunner
 from kvsplice.plan import SpanKind
@@ -45,7 +46,7 @@ from kvsplice.reuse.segment_kv import (
 )
 from kvsplice.reuse.work import PrefillWork
 
-Fill = ContextSample | CanonicalContextFill | LeadFill
+Fill = ContextSample | CanonicalContextFill | LeadFill | AuditFill
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,10 @@ class BackgroundWork:
             )
             self._copies.append(_Copy(namespace, blocks, missed, release, head, in_place))
 
+    def audit(self, fill: AuditFill) -> None:
+        """Queue an audit: a spliced request's prompt prefilled in full (engine/audit.py)."""
+        self._fills.append(fill)
+
     def pending_kv(self) -> dict[tuple[Hashable, tuple[int, ...]], PendingKV]:
         """Where each segment whose copy is queued has its KV: in the blocks of the request that computed
         it, at the positions it had there (the first queued copy of a segment)."""
@@ -195,9 +200,12 @@ class BackgroundWork:
         result = self.runner.forward(chunk)
         self.computed_tokens += len(chunk.positions)
         self.computed_flops += result.flops
-        work.complete(chunk, result)
+        logits = work.complete(chunk, result)
         if work.done:
-            fill.finish()
+            if isinstance(fill, AuditFill):
+                fill.finish(logits)
+            else:
+                fill.finish()
             self._filling = None
             if isinstance(fill, ContextSample):
                 self._sampled(fill)

@@ -24,6 +24,7 @@ from kvsplice.cache.base import CacheSeq
 from kvsplice.cache.registry import make_prefix_cache
 from kvsplice.cache.segments import SegmentStore, canonical_context
 from kvsplice.config import EngineConfig
+from kvsplice.engine.audit import AuditFill, Audits, AuditSchedule, shape
 from kvsplice.engine.background import BackgroundWork
 from kvsplice.engine.block_manager import BlockManager
 from kvsplice.engine.output import OutputProcessor, StepOutput
@@ -40,6 +41,7 @@ from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.plan import SpanKind
 from kvsplice.prompt import Prompt, parse_prompt
+from kvsplice.repair.registry import POLICIES
 from kvsplice.reuse import segment_kv
 from kvsplice.reuse.discover import MIN_SPAN_TOKENS, SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
@@ -118,6 +120,8 @@ class Engine:
         # Prompts for the span finder to index (their KV now computed), at the start of the next step.
         self._to_index: list[tuple[Hashable, tuple[int, ...]]] = []
         # Compute of requests' prefills and of decode steps, in tokens and FLOPs (Engine.stats).
+        self.audits = Audits()
+        self._audit_schedule = AuditSchedule(config.audit_ratio)
         self._prefill_tokens = self._decode_tokens = 0
         self._closed = False
         self._prefill_flops = self._decode_flops = 0.0
@@ -218,6 +222,8 @@ class Engine:
             decode_flops=self._decode_flops,
             background_tokens=background.computed_tokens,
             background_flops=background.computed_flops,
+            audits=self.audits.summary(),
+            audits_dropped=self.audits.dropped,
         )
 
     @property
@@ -345,8 +351,29 @@ class Engine:
             m.store_load_s += promoted.load_s
         if request.params.return_first_logits:
             request.first_logits = logits.clone()
+        self._maybe_audit(request, logits)
         self._store_missed(request, prefill)
         return [self._sampled(request, logits)]
+
+    def _maybe_audit(self, request: Request, logits: torch.Tensor) -> None:
+        """Queue a full prefill of a spliced request's prompt, if the audit schedule picks it."""
+        assert request.prefill is not None
+        spliced = request.prefill.plan.spliced()
+        if not spliced or POLICIES[request.repair.policy].exact or not self._audit_schedule.pick():
+            return
+        marked = len({s.segment for s in spliced if not s.discovered})
+        found = len({s.segment for s in spliced if s.discovered})
+        self.background.audit(
+            AuditFill(
+                self.pool,
+                self.runner.num_layers,
+                self.audits,
+                request.namespace,
+                request.prompt.token_ids,
+                logits.clone(),
+                shape(marked, found),
+            )
+        )
 
     def _store_missed(self, request: Request, prefill: Prefill) -> None:
         """Queue the store work for the segments the prefill missed; none of it runs before the first

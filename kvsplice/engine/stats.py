@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvsplice.engine.audit import AuditSummary
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -47,6 +49,9 @@ class EngineStats:
     decode_flops: float = 0.0
     background_tokens: int = 0
     background_flops: float = 0.0
+    # The live audit's results so far, by tenant salt and prompt shape, and the audits dropped for memory.
+    audits: tuple[AuditSummary, ...] = ()
+    audits_dropped: int = 0
 
     @property
     def total_flops(self) -> float:

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from kvsplice.engine.audit import KL_BUCKETS
 from kvsplice.engine.engine import Engine
 from kvsplice.errors import QueueFullError
 from kvsplice.outputs import RequestOutput
@@ -59,6 +60,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats, engine.tier_stats)
         self.engine = AsyncEngine(engine, on_output=self.metrics.observe, on_abort=self.metrics.abort)
         self.tokenizer = engine.tokenizer
+        self.audit_ratio = engine.config.audit_ratio
         self.created = int(time.time())
 
     # -- endpoints --------------------------------------------------------------------------------
@@ -102,6 +104,26 @@ class OpenAIServer:
         if not self.engine.healthy:
             raise APIError(503, self.engine.broken or "the engine is not running")
         return Response(status_code=200)
+
+    async def audit(self, request: Request) -> JSONResponse:
+        """The live audit so far: per tenant salt and prompt shape, how many spliced requests were also
+        prefilled in full, how often the first token agreed, and the first token's KL."""
+        self._authorize(request)
+        stats = self.engine.stats
+        cells = [
+            {
+                "salt": c.salt,
+                "shape": c.shape,
+                "requests": c.requests,
+                "first_token_agreement": c.first_token_agreement,
+                "kl_mean": c.kl_mean,
+                "within_kl_0.05": c.kl_buckets[KL_BUCKETS.index(0.05)] / c.requests,
+            }
+            for c in stats.audits
+        ]
+        return JSONResponse(
+            {"audit_ratio": self.audit_ratio, "dropped": stats.audits_dropped, "cells": cells}
+        )
 
     async def prometheus(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -323,4 +345,5 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
+    app.add_api_route("/audit", server.audit, methods=["GET"])
     return app

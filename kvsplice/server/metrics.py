@@ -8,12 +8,14 @@ when /metrics is scraped.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvsplice.engine.audit import KL_BUCKETS
 from kvsplice.engine.engine import StepOutput
 from kvsplice.engine.stats import EngineStats
 from kvsplice.tiers import TierStats, register_store_metrics
@@ -222,3 +224,40 @@ class _EngineCollector(Collector):
             s.background_tokens,
         )
         yield counter("kvsplice:background_flops", "FLOPs of background work", s.background_flops)
+        yield from _audit_metrics(self._model_name, s)
+
+
+def _audit_metrics(model_name: str, s: EngineStats) -> Iterator[Metric]:
+    """The live audit (engine/audit.py), by tenant salt and prompt shape."""
+    labels = ["model_name", "salt", "shape"]
+    requests = CounterMetricFamily(
+        "kvsplice:audit_requests", "Spliced requests also prefilled in full to audit them", labels=labels
+    )
+    agreements = CounterMetricFamily(
+        "kvsplice:audit_first_token_agreements",
+        "Audited requests whose most likely first token is the full prefill's",
+        labels=labels,
+    )
+    kl = HistogramMetricFamily(
+        "kvsplice:audit_first_token_kl",
+        "KL(full prefill || spliced) of the first token's distribution, in nats",
+        labels=labels,
+    )
+    for cell in s.audits:
+        values = [model_name, cell.salt, cell.shape]
+        requests.add_metric(values, cell.requests)
+        agreements.add_metric(values, cell.agreements)
+        buckets = [
+            ("+Inf" if math.isinf(b) else str(b), n) for b, n in zip(KL_BUCKETS, cell.kl_buckets, strict=True)
+        ]
+        kl.add_metric(values, buckets, sum_value=cell.kl_sum)
+    yield requests
+    yield agreements
+    yield kl
+    dropped = CounterMetricFamily(
+        "kvsplice:audit_dropped",
+        "Audits not run: the free KV blocks did not hold the prompt",
+        labels=["model_name"],
+    )
+    dropped.add_metric([model_name], s.audits_dropped)
+    yield dropped
