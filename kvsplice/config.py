@@ -133,10 +133,8 @@ class EngineConfig:
     @property
     def threads(self) -> int:
         """Torch's intra-op threads: num_threads, or half the CPUs this process may use (at least 1).
-        Measured (bench/results/serve_concurrency.md, `--num-threads 1 0`): on the shared 2-core
-        machine, one thread served 8 concurrent clients 1.7x faster than torch's default of two
-        (17-19 against 10-11 tokens/s) and one client 1.1x faster: threads that wait on each other
-        while other processes hold a core cost more than they give."""
+        Threads that wait on each other while other processes hold a core cost more than they give
+        (docs/design.md says why half)."""
         if self.num_threads is not None:
             return self.num_threads
         return max(1, len(os.sched_getaffinity(0)) // 2)

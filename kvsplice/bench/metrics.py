@@ -36,9 +36,8 @@ if TYPE_CHECKING:
 # A request's next-token distribution this close to the full prefill's (nats) counts as faithful: the
 # fidelity target asks that 95% of requests be within it.
 KL_CLOSE = 0.05
-# A full prefill whose first token leads the runner-up by this much probability is sure of it. On the
-# recall evaluation (Gemma 3, 8 documents, 200 requests) a third of the full prefills lead by less than
-# 0.1, and 25 of the 29 first tokens attention@15 answered differently were where it led by less than 0.2.
+# A full prefill whose first token leads the runner-up by this much probability is sure of it: below
+# that, the full prefill is torn itself and repair's first tokens differ from it most (docs/design.md).
 SURE_MARGIN = 0.2
 # A group over every answer position (or every setting).
 ALL = "all"

@@ -9,8 +9,8 @@ question) with the `openai` client, streamed, open-loop: each request leaves at 
 time whether or not earlier ones have answered. Per mix, rates go from light load to past saturation
 (RATE_MULTIPLIERS x the requests/s one idle server sustains, measured first). The three servers are
 up at once but only one runs a cell at a time, all three on the same arrival times, in an order
-rotated per rate: run one after another, the systems met different loads on a shared 2-core machine
-(bench/results/cold_traffic.md); an idle server costs nothing. Each mix and rate has a cache salt of
+rotated per rate: run one after another, the systems met different loads on a shared 2-core
+machine; an idle server costs nothing. Each mix and rate has a cache salt of
 its own, so no cell reuses another's KV. Compute and reuse are the server's own /metrics counters,
 read before and after each cell once the server is idle (background work done).
 

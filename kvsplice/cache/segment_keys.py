@@ -97,9 +97,8 @@ class SegmentKeys:
         the prompt's first marked segment ends when it will be spliced from lead KV computed after
         this very head (a full prefill's KV): its tokens keep their ids, and segment keys start after
         it. Else a request that opens with the same segment and asks another question would take, as its
-        prefix, this one's KV of it, repaired for this one's question (recall bench, SmolLM2, 200
-        requests, the answer in the first document: KL 0.138 where that document came that way, 0.080
-        where it was spliced afresh)."""
+        prefix, this one's KV of it, repaired for this one's question, which is further from a full
+        prefill than splicing it afresh (docs/design.md)."""
         plain = list(prompt.token_ids)
         if not approximate:
             return CacheKeys(plain, None)

@@ -7,8 +7,7 @@ things make this matter. Models like Gemma park huge attention weights on the fi
 sequence (the attention sink); a segment computed from position 0 would make its own first token a
 sink and carry that distortion into every prompt it is spliced into. And on sliding-window layers a
 token far into a prompt cannot see BOS at all; a segment computed right after BOS would learn to
-lean on a sink that, spliced deep into a prompt, is out of its reach (measured on Gemma 3 270M:
-splicing without repair has about half the next-token KL with the long context than with BOS alone).
+lean on a sink that, spliced deep into a prompt, is out of its reach (docs/design.md).
 
 The context's KV is computed once and held by the store; its length is a multiple of the block
 size, so each segment's tokens start on a block of their own and an entry holds only them. Entries
@@ -21,12 +20,10 @@ An entry's lead KV (its KV at a prompt's start, reuse/segment_kv.LEAD_KV) is a s
 clock of its own that every use of the entry moves, as well as every prompt spliced from it: a
 segment reused anywhere may open the next prompt (in a RAG workload a document opens about one in as
 many prompts as they have documents). A lead KV that aged only by those openings went before the
-whole prompts the prefix cache keeps of one-off requests: on recall (SmolLM2, 8 documents, 100
-requests, a 5 GiB pool) 23 were dropped, and 10 requests took their first document from neither lead
-KV nor the prefix cache; moved by every use, none was dropped and every request took it from one of
-them (bench/results/recall_smollm2_8docs_lead_clock). When memory runs short the least recently
-used of all entries and all lead KVs goes first; a lookup touches the lead KV just before its entry,
-so of the two it goes first, and evicting an entry drops its lead KV with it.
+whole prompts the prefix cache keeps of one-off requests, and requests found their first document in
+neither; moved by every use, none was dropped (docs/design.md). When memory runs short the least
+recently used of all entries and all lead KVs goes first; a lookup touches the lead KV just before
+its entry, so of the two it goes first, and evicting an entry drops its lead KV with it.
 """
 
 from __future__ import annotations
@@ -227,10 +224,8 @@ class SegmentStore:
 
 
 # A stored segment is computed after this many tokens of context by default (more where a sliding
-# window needs a full window of context): about where a segment sits in a prompt of several documents.
-# Measured on recall (8 documents, attention@15, 4 contexts; the same 30 requests) against the earlier
-# window + 64 (576) on Gemma 3 and 256 on SmolLM2: first-token agreement 83 -> 93% on Gemma 3 at an
-# equal mean KL, KL 0.115 -> 0.094 on SmolLM2 (bench/results/recall_*_8docs_context1024).
+# window needs a full window of context): about where a segment sits in a prompt of several documents
+# (docs/design.md says why 1,024).
 CONTEXT_TOKENS = 1024
 
 

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 NO_KEY = 2**62
 # Queries are processed in tiles so that each tile reads only the keys it can see: on a
 # sliding-window layer that is about window + tile keys instead of the whole sequence, which is why
-# windowed tiles are small (measured on one CPU core, 2048 tokens, window 512: 128 queries per tile
-# take half the time of 512).
+# windowed tiles are small (docs/design.md).
 QUERY_TILE = 512
 WINDOWED_QUERY_TILE = 128
 

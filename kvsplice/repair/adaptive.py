@@ -22,12 +22,8 @@ Nor is a request whose question spreads its attention over the reused tokens (fe
 answer depends on every example): if the `COVERAGE_SHARE` of them the question attends to most hold
 less than `TRUSTED_COVERAGE` of its attention on reused tokens, no sparse repair reaches the tokens
 that matter, and the first round recomputes them all (a full prefill's result). Successive rounds
-cannot see that: on few-shot they agreed with each other while far from the full prefill (KL 0.345,
-bench/results/fewshot_adaptive). Measured with attention@15's probe (Gemma 3): the top 15% held 0.55 to
-0.62 of the question's attention on few-shot (8 requests) and 0.79 to 0.84 on recall with 8
-documents (12 requests, every answer position). The threshold is Gemma 3's: on SmolLM2, whose probe
-watches layer 8, both workloads clear it (30 requests each; few-shot accuracy 83% against the full
-prefill's 80% by repair alone, bench/results/fewshot_smollm2_adaptive_probe8).
+cannot see that: on few-shot they agreed with each other while far from the full prefill. The
+threshold is Gemma 3's; on SmolLM2 both workloads clear it. docs/design.md gives the numbers.
 """
 
 from __future__ import annotations
@@ -42,19 +38,14 @@ from kvsplice.repair.base import Probe, RepairDecision, RepairPolicy, RepairTask
 from kvsplice.sampling import kl_divergence
 
 # The first round recomputes what `attention@15` would, and its move from the unrepaired estimate decides
-# whether more follows. From 5% of the reused tokens (ranked by the question alone) the rounds agreed
-# with each other long before the answer was right: on recall (8 documents, 30 requests) the repair
-# ended at KL 0.111 on Gemma 3 and 0.237 on SmolLM2, behind attention@15 (0.062, 0.169). From attention@15, on
-# Gemma 3: 0.036 at target 0.05 (40% of the FLOPs, 3 of 30 requests falling back) and 0.060 at 0.2
-# (19%); a fixed budget does better per FLOP (attention@20 0.043 at 20%, attention@30 0.029 at 30%): which
-# requests take more is only weakly told (bench/results/recall_gemma_8docs_adaptive_fresh,
-# recall_gemma_8docs_seed1_adaptive).
+# whether more follows: from a smaller first round the rounds agreed with each other long before the
+# answer was right (docs/design.md).
 FIRST_SHARE = 0.15
 # Two successive estimates this close (KL, nats) end the repair.
 TARGET = 0.05
 # The share of reused tokens, ranked by the question's attention, whose attention mass says whether a
-# sparse repair can be trusted, and the least mass they must hold (between few-shot's 0.62 at most
-# and recall's 0.79 at least).
+# sparse repair can be trusted, and the least mass they must hold (between what few-shot and recall
+# measured: docs/design.md).
 COVERAGE_SHARE = 0.15
 TRUSTED_COVERAGE = 0.7
 # Beyond this share a spliced prefill saves at most half of a full one's work, and a repair that is
@@ -106,8 +97,7 @@ class AdaptiveRepair(RepairPolicy):
     def _take(self, task: RepairTask, count: int) -> tuple[int, ...]:
         """`lead`'s choice at a budget of `count`, all of it, the earlier rounds' tokens again: a round
         that only added tokens left the earlier ones with KV computed over the added ones' stale KV,
-        and was worth little (on the 13 of 30 recall requests that took a second round, KL 0.115 after
-        the first, 0.099 after the second, against 0.048 for attention@30 in one pass)."""
+        and was worth little against the larger budget in one pass (docs/design.md)."""
         chosen = attention_choice(task.plan, self._score, count)
         # Nested, so no earlier round's token is left out with KV computed over stale KV.
         assert set(self._taken) <= set(chosen), "lead's choice is nested in its budget"

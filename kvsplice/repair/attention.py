@@ -5,15 +5,12 @@ computed from. A probe pass computes every computed token (not one reused token)
 up to one global-attention layer a quarter of the way in (`probe_layers`), over the moved, unrepaired
 KV, and watches how much attention the question's tokens pay to each reused token there. The reused tokens
 they attend to most are recomputed through every layer, with the question (which must see their
-repaired KV from the first layer on: letting it resume from the probe instead raised the recall
-bench's KL from 0.055 to 0.138). The other computed tokens (the instruction, separators, documents
-new to the store) resume from the probe's hidden states, so they run each layer once: those after a
-chosen token saw its KV unrepaired in the probe's layers. On half-new traffic (3 of 6 documents
-reused, 8 requests, Gemma 3, attention@15) that left the next-token KL at 0.064 against 0.063 when they
-ran the probe's layers again, and cut prefill FLOPs from 0.73 to 0.68 of a full prefill's (0.71 to
-0.55 on one request: the probe's layers for every new document, a third of the model); on the recall
-bench (8 documents, 30 requests, 2 threads) KL 0.0588 against 0.0589, the same answers. On a warm
-request, where little is computed but the question, the probe costs its layers for the question.
+repaired KV from the first layer on: resumed from the probe, it answered much further from a full
+prefill). The other computed tokens (the instruction, separators, documents new to the store) resume
+from the probe's hidden states, so they run each layer once: those after a chosen token saw its KV
+unrepaired in the probe's layers, which measured as no loss and saves the probe's layers for every
+new document (docs/design.md). On a warm request, where little is computed but the question, the
+probe costs its layers for the question.
 The question sees every reused token in the probe because the global layers have no window (on a
 sliding-window layer it would see only the last `window`).
 """
@@ -63,10 +60,7 @@ class QueryAttentionObserver:
 
 # The probe watches the first global-attention layer at or past this share of the model's depth.
 # Early layers attend by position more than by content: on a model without sliding windows, where
-# every layer is global, watching layers 0-1 ranked poorly. Measured on SmolLM2-135M (30 layers;
-# recall, 8 documents, the same 30 requests, attention@15, bench/results/recall_smollm2_8docs_probe):
-# layers 0-1 KL 0.230, first token 63%, accuracy 27% (full prefill 33%); layer 8 KL 0.169, 73%, 40%;
-# layer 15 KL 0.171, 73%, 33%. On Gemma 3 the share picks layer 5, its first global layer, as before.
+# every layer is global, watching layers 0-1 ranked poorly (docs/design.md).
 PROBE_DEPTH = 0.25
 
 

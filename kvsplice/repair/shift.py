@@ -1,28 +1,27 @@
 """Segment shift: the error its recomputed tokens show, moved onto a reused segment's other tokens.
 
 A reused segment's stored KV was computed after other context than the prompt's, and on every layer
-the error of its tokens' KV against a full prefill's has a part they share: in the keys (before
-RoPE), 20 to 50% of the error's energy on SmolLM2's middle layers, in the values 10 to 17% (recall
-bench, 8 documents). Repair recomputes some of the segment's tokens on every layer anyway, and each of
-those shows its own error there (its new KV minus the moved KV its slot held). Their median, per
-coordinate, estimates the shared part, and `shift` times it is added to the segment's tokens that are
-not recomputed, on that layer, before its attention reads them: no FLOPs beyond the additions. The
-median, not the mean, so that a few recomputed tokens whose error is far from the rest do not move
-the others (held out, the two did alike: docs/fidelity.md). Less than the whole of it (`shift` < 1)
-because the recomputed tokens are the ones the question reads most, not a random sample, and their
-error is larger than the segment's typical one.
+the error of its tokens' KV against a full prefill's has a part they share, in the keys (before
+RoPE) more than in the values (docs/design.md). Repair recomputes some of the segment's tokens on
+every layer anyway, and each of those shows its own error there (its new KV minus the moved KV its
+slot held). Their median, per coordinate, estimates the shared part, and `shift` times it is added
+to the segment's tokens that are not recomputed, on that layer, before its attention reads them: no
+FLOPs beyond the additions. The median, not the mean, so that a few recomputed tokens whose error is
+far from the rest do not move the others (held out, the two did alike: docs/fidelity.md). Less than
+the whole of it (`shift` < 1) because the recomputed tokens are the ones the question reads most,
+not a random sample, and their error is larger than the segment's typical one.
 
 Applied once per layer and segment in each pass of a repair that recomputes spliced tokens, to the
 segments of which the pass recomputes at least MIN_SAMPLE tokens (its sample), in the chunk that
 holds the sample: a chunk of such a pass never cuts a sample (`whole`, reuse/work.py), so the estimate
 is the same however the scheduler cuts the prefill. Cut at any token, it came from the part of the
 sample in the first chunk, and a request's logits depended on `max_num_batched_tokens` and on the
-other prefills of each step (a tiny Gemma 3, up to 0.18 apart between chunk sizes). Keys are moved
-to position 0 for the median and back to each token's position for the shift.
+other prefills of each step. Keys are moved to position 0 for the median and back to each token's
+position for the shift.
 
 Its default depends on the model family (`default_shift`): at 0.5 on top of `attention@15` it brought
 Gemma 3 closer to a full prefill on the recall bench, on every held-out seed, and SmolLM2 further
-from it (docs/fidelity.md).
+from it (docs/design.md gives the numbers).
 """
 
 from __future__ import annotations
@@ -36,14 +35,8 @@ from kvsplice.kv import rope
 from kvsplice.model_config import ModelConfig
 
 # The segment shift per model family (config.json's architecture), where measurement chose one; 0
-# elsewhere. Gemma 3 (recall, attention@15, 100 held-out requests per run, paired against no shift): 8
-# documents, seed 3 KL 0.0215 -> 0.0158 (-0.0057 [-0.0084, -0.0032]), seed 4 0.0247 -> 0.0207 (-0.0040
-# [-0.0065, -0.0020]), seed 7 0.0286 -> 0.0247 (-0.0039 [-0.0069, -0.0005]), seed 10 (after chunks
-# stopped cutting samples) 0.0224 -> 0.0172 (-0.0052 [-0.0094, -0.0022], lower on 86); 12 documents,
-# seed 7 0.0157 -> 0.0132 (-0.0025 [-0.0035, -0.0015], lower on 81 of 100); the same accuracy within a
-# request, p50 TTFT 13 to 14% longer (bench/results/recall_gemma_*docs_shift_s*_n100). SmolLM2 (Llama) on
-# seeds 3 and 4 went further from a full prefill (seed 4 0.054 -> 0.076, +0.023 [+0.008, +0.039]), so
-# the Llama family stays at 0.
+# elsewhere. On Gemma 3 it brought the recall bench closer to a full prefill on every held-out seed, at
+# the same accuracy; on SmolLM2 (Llama) it went further, so the Llama family stays at 0 (docs/design.md).
 FAMILY_SHIFT = {"Gemma3ForCausalLM": 0.5}
 
 

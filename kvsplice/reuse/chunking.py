@@ -23,15 +23,14 @@ Two departures from the byte version make the cut points a function of nearby co
 Chunking is prefix-stable: the cuts of tokens[:m] are the cuts of tokens below m, then m.
 
 Defaults (ChunkSizes()): 8 / 16 / 48 tokens at normalization 1, from bench/results/chunking.md
-(MuSiQue and synthetic passages pasted into new prompts, tokenized for Gemma 3):
+(MuSiQue and synthetic passages pasted into new prompts, tokenized for Gemma 3; docs/design.md says
+why):
 - max_len sets what the span index finds for certain: with its 16-token anchors, every span of
   max_len + 15 = 63 tokens, under the min_len of 64 it recommends.
-- Under that cap, small chunks lightly normalized fall into step fastest: from the start of a shared
-  span both chunkings first cut at one place after a median 24 tokens (90%: 51; a chunk averages 20),
-  and never inside 3.4% of the spans of >= 64 tokens; at 16 / 32 / 48, level 2 (FastCDC-like sizes)
-  that takes 37 tokens (90%: 134) and fails in 27% of them. Matching chunks alone, without the
-  index's scan, then finds 94% of the tokens of quoted sentences of 64+ tokens, against 59%.
-- Chunking 4K tokens takes ~1 ms; the index keeps one anchor per chunk, ~5 bytes a token.
+- Under that cap, small chunks lightly normalized fall into step fastest after the start of a shared
+  span, and fail to in the fewest spans, so matching chunks alone, without the index's scan, finds
+  the most of quoted sentences.
+- The index keeps one anchor per chunk.
 """
 
 from __future__ import annotations

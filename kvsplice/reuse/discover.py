@@ -36,29 +36,13 @@ tokens after the last marked segment are, and the query-aware repair probes with
 The first `head_tokens` of a found span are computed too, not spliced (the plan makes them so:
 plan.py; the span is found, keyed and stored whole). A found span starts where the prompt and
 the content it was found in stop agreeing, so its first tokens are the ones whose stored KV followed
-other text; and where a marked prompt's segment starts at a document, a found span starts wherever
-the common text does, often in framing that recurs with the passage (an agent's tool-call line,
-" search(query=...)\nResult:\n", 16 tokens, recurs with its result). Measured on the agent workload
-sent unmarked next to marked (6 episodes, 24 measured steps, attention@15, KL to a full prefill, the
-heads computed on top of the repair budget; marked: 0.0035, every step within 0.05):
-
-| tail | head | KL unmarked | within 0.05 | FLOPs unmarked / marked | TTFT unmarked / marked (median) |
-|---:|---:|---:|---:|---:|---:|
-| 32 | 0 | 0.076 | 18 of 24 | 1.31 | 1.19 |
-| 16 | 0 | 0.056 | 18 | 1.05 | 1.03 |
-| 16 | 4 | 0.025 | 21 | 1.10 | 1.05 |
-| 16 | 8 | 0.019 | 22 | 1.14 | 1.07 |
-| 16 | 16 | 0.0040 | 24 | 1.24 | 1.17 |
-| 8 | 16 | **0.0034** | **24** | **1.11** | **1.04** |
-
-Without a head the bad steps are the first tool output after the system prompt (KL up to 0.96 where
-marked had 0.007), and the next step, which takes that KV as its prefix, inherits the damage; a head
-shorter than the call line leaves part of it. A tail of 8 suffices once the head is computed: the
-framing after an agent's last tool output is 4 tokens, and a longer tail only computes the end of
-the passage. The heads are repair spent before the policy chooses, so they come out of its budget
-(Plan.heads): on top of it, qa requests (six documents) cost 1.22x the marked version's FLOPs and
-1.15x its TTFT; within it, 1.03x and 0.89x at the same KL, and agent steps 0.91x at KL 0.0036
-(bench/results/unmarked/summary.md has every workload with these defaults).
+other text, and where a marked segment starts at a document, a found span starts wherever the common
+text does, often in framing that recurs with the passage (an agent's tool-call line recurs with its
+result). Spliced, those tokens were where the answer went wrong, and the next step, which takes that
+KV as its prefix, inherited it. Once the head is computed a short tail suffices: the framing after an
+agent's last tool output is a few tokens, and a longer tail only computes the end of the passage. The
+heads are repair spent before the policy chooses, so they come out of its budget (Plan.heads).
+docs/design.md has the measurements that chose the tail and the head.
 """
 
 from __future__ import annotations
@@ -97,7 +81,7 @@ class Discovery(NamedTuple):
 
 
 # The shortest span found without markup that is spliced: the span index finds every span this long,
-# and unrelated texts share runs of at most ~11 tokens (bench/results/chunking.md).
+# and unrelated texts share only far shorter runs (docs/design.md).
 MIN_SPAN_TOKENS = 64
 
 

@@ -74,7 +74,8 @@ class BorrowedSpan:
 # A marked segment that starts within this many tokens of the prompt's start (after an instruction, a
 # system line) is spliced from its lead KV where the store holds it (reuse/segment_kv.LEAD_KV),
 # computed after the head of the prompt that stored it: exact after the same head, and after another
-# one it misses only those few tokens, where the stored mean KV saw 1,024 tokens of other content.
+# one it misses only those few tokens, where the stored mean KV saw a whole canonical context of other
+# content (docs/design.md).
 LEAD_HEAD_TOKENS = 64
 
 

@@ -79,11 +79,11 @@ class RepairRun:
             # The question (plan.question(): the computed tokens after the last reused one and after the
             # last marked segment, so not a new document that follows the last reused one) runs the
             # probe's layers again with the chosen, over their repaired KV: letting it resume (its first
-            # layers over unrepaired KV) raised the recall bench's KL from 0.055 to 0.138 (8 documents,
-            # attention@15, 30 requests). The computed tokens before it resume: those before the first chosen
-            # token compute the same either way; those after it (documents new to the store, separators)
-            # saw the chosen tokens' KV unrepaired in the probe's layers, which measured as no loss
-            # (see repair/attention.py) and saves those layers for every new document.
+            # layers over unrepaired KV) answered much further from a full prefill. The computed tokens
+            # before it resume: those before the first chosen token compute the same either way; those
+            # after it (documents new to the store, separators) saw the chosen tokens' KV unrepaired in
+            # the probe's layers, which measured as no loss and saves those layers for every new
+            # document (docs/design.md).
             again = _union(self.task.plan.question(), chosen)
             if not again:
                 return rest

@@ -19,25 +19,24 @@ The guarantee: every span of >= max_len + anchor_len - 1 tokens (`guaranteed_len
 shares with a source is found, whatever surrounds it in either, as long as no position of the prompt
 meets more than `max_hits` anchors (it is checked against the newest that many); the spans returned
 cover it but for stretches shorter than min_len where a longer span of another source overlaps it
-(0.2% of the shared tokens in the bench). Proof: chunks are at most max_len long, so such a span of
+(rare: bench/results/chunking.md). Proof: chunks are at most max_len long, so such a span of
 the source holds a chunk start at least anchor_len tokens before its end, and the scan, which reaches
 every position of the prompt, meets that anchor. Shorter spans are found when they happen to hold an
 anchor. max_hits bounds the work on repetitive text: a run of one token in sources and in the prompt
-makes every position of the prompt meet every anchor of the runs, most on a new diagonal (a 4,096-token
-run against 10 sources that hold one: 5 s unbounded, 0.2 s at the default 64). In the bench a position
-met at most 41 anchors (a passage repeated within a source, and carried by several).
+makes every position of the prompt meet every anchor of the runs, most on a new diagonal; the default
+is above the most anchors a position of the bench's prompts met (docs/design.md).
 
 min_len is the caller's: 64 is the smallest the defaults guarantee (guaranteed_len is 63), well above
-chance (unrelated texts in the bench share runs of at most 11 tokens) and above the chat template
+chance (unrelated texts share far shorter runs: docs/design.md) and above the chat template
 and its short boilerplate, so what is found is pasted content; whether shorter spans are worth
 splicing (each is a seam the repair must mend) is a question for the model, not measured here.
 
 Why the prompt is scanned at every position rather than cut into chunks too: matching chunk to chunk
 would cost a lookup per chunk instead of one per token, but finds a span only once the prompt's
 chunking has fallen onto the source's cut points inside it, which is likely and never certain
-(chunking.py): measured, it misses 7% of the tokens of quoted sentences of 64-127 tokens
+(chunking.py): measured, it misses some of the quoted sentences the scan finds
 (bench/results/chunking.md). The scan costs about as much as chunking the prompt: both touch every
-token once in Python, ~1 ms per 4K tokens.
+token once in Python.
 
 Why anchors at chunk starts: the guarantee needs only a bounded gap between anchors, which a fixed
 stride of max_len tokens would give with fewer of them (one per 48 tokens, not per 20: ~3 bytes a
