@@ -239,11 +239,7 @@ class BackgroundWork:
         assert entry is not None
         if self.segment_contexts == 1 or not self.store.context or entry.contexts > 1:
             return
-        filling = () if self._filling is None else (self._filling[0],)
-        if any(
-            isinstance(f, ContextSample) and (f.namespace, f.tokens) == (namespace, tokens)
-            for f in (*self._fills, *filling)
-        ):
+        if self._queued(ContextSample, namespace, tokens):
             return
         if self.store.context_blocks is None and not any(
             isinstance(f, CanonicalContextFill) for f in self._fills
@@ -263,16 +259,19 @@ class BackgroundWork:
         token, BOS), where the engine keeps lead KV and the store has a context (a model with a
         tokenizer). Not twice: prompts admitted together that open with the same segment each report
         it missing, and a second fill would only be dropped, after inflating the queue."""
-        if self._keeps_lead and not self._lead_queued(namespace, tokens):
+        if self._keeps_lead and not self._queued(LeadFill, namespace, tokens):
             head = head or self.store.context[:1]
             self._fills.append(
                 LeadFill(self.store, self.pool, self.runner.num_layers, namespace, tokens, head)
             )
 
-    def _lead_queued(self, namespace: Hashable, tokens: tuple[int, ...]) -> bool:
+    def _queued(
+        self, kind: type[ContextSample] | type[LeadFill], namespace: Hashable, tokens: tuple[int, ...]
+    ) -> bool:
+        """Whether a fill of `kind` for the segment is queued or being computed."""
         filling = () if self._filling is None else (self._filling[0],)
         return any(
-            isinstance(f, LeadFill) and f.namespace == namespace and f.tokens == tokens
+            isinstance(f, kind) and (f.namespace, f.tokens) == (namespace, tokens)
             for f in (*self._fills, *filling)
         )
 
