@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +71,11 @@ class EngineConfig:
         default=True,
     )
     seed: int = _opt("seed for sampling when a request gives none", default=0)
+    fidelity_target: float = _opt(
+        "the trust gate's quality target: the mean first-token KL from a full prefill (nats) each prompt "
+        "shape is kept within, by prefilling in full the near-ties its audits say need it; 0: no gate",
+        default=0.05,
+    )
     audit_ratio: float = _opt(
         "share of spliced requests also prefilled in full as background work, to measure how far "
         "splicing is from a full prefill on this traffic (GET /audit, /metrics); 0: off",
@@ -114,6 +120,7 @@ class EngineConfig:
         _check(0.0 <= self.recompute_ratio <= 1.0, "recompute_ratio must be in [0, 1]")
         _check(0.0 <= self.repair_fallback_margin <= 1.0, "repair_fallback_margin must be in [0, 1]")
         _check(0.0 <= self.audit_ratio <= 1.0, "audit_ratio must be in [0, 1]")
+        _check(0.0 <= self.fidelity_target < math.inf, "fidelity_target must be a finite KL >= 0")
         _check(self.prefix_cache in PREFIX_CACHE_NAMES, f"prefix_cache must be one of {PREFIX_CACHE_NAMES}")
         _check(self.repair in POLICY_NAMES, f"repair must be one of {POLICY_NAMES}")
         for name, cls in NESTED.items():

@@ -13,7 +13,7 @@ import pytest
 
 from kvsplice import LLM, RequestOptions, SamplingParams, Segment
 from kvsplice.config import EngineConfig
-from kvsplice.engine.audit import KL_BUCKETS, AuditSchedule, shape
+from kvsplice.engine.audit import KL_BUCKETS, AuditSchedule
 from kvsplice.engine.engine import Engine
 from kvsplice.sampling import kl_divergence
 from kvsplice.server.launch import ServerThread
@@ -42,10 +42,6 @@ def test_the_schedule_audits_its_share_without_a_draw() -> None:
         assert len(picked) == math.floor(n * ratio)
     every_50th = AuditSchedule(0.02)
     assert [i + 1 for i in range(150) if every_50th.pick()] == [50, 100, 150]
-
-
-def test_shapes_name_size_and_kind() -> None:
-    assert shape(1, 0) == "1 marked" and shape(2, 2) == "2-4 both" and shape(0, 9) == "9+ found"
 
 
 def test_the_audit_records_what_a_direct_full_prefill_comparison_gives(model_dir: Path) -> None:
@@ -78,7 +74,7 @@ def test_the_audit_records_what_a_direct_full_prefill_comparison_gives(model_dir
     within = sum(c.kl_buckets[KL_BUCKETS.index(0.05)] for c in stats.audits)
     assert within == sum(kl <= 0.05 for kl in kls)
     # Off, nothing is audited.
-    quiet = LLM(model=str(model_dir), prefix_cache="radix", audit_ratio=0.0, **SETTINGS)
+    quiet = LLM(model=str(model_dir), prefix_cache="radix", audit_ratio=0.0, fidelity_target=0.0, **SETTINGS)
     quiet.generate([[SYSTEM, *map(Segment, DOCS), QUESTION]], FIRST)
     quiet.generate([[SYSTEM, *(Segment(DOCS[d]) for d in (1, 0)), QUESTION]], FIRST)
     while quiet.engine.has_unfinished():
@@ -101,7 +97,9 @@ def test_the_server_reports_the_audit(model_dir: Path) -> None:
         audit = httpx.get(f"{server.url}/audit", timeout=10).json()
         assert audit["audit_ratio"] == 1.0 and audit["dropped"] == 0
         (cell,) = audit["cells"]
-        assert (cell["salt"], cell["shape"], cell["requests"]) == ("salt:tenant-a", "2-4 marked", 1)
+        assert (cell["salt"], cell["shape"], cell["requests"]) == ("salt:tenant-a", "2-4 x <128 marked", 1)
+        (gate,) = audit["gate"]
+        assert (gate["shape"], gate["samples"], gate["fallback_below_margin"]) == (cell["shape"], 1, None)
         assert cell["kl_mean"] >= 0.0 and 0.0 <= cell["first_token_agreement"] <= 1.0
         m = metrics(server)
         assert any(k.startswith("kvsplice:audit_first_token_kl_bucket") for k in m)

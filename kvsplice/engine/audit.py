@@ -3,8 +3,9 @@
 A share of the spliced requests (`EngineConfig.audit_ratio`) is also prefilled in full, as background
 work (in idle budget, counted with the rest of it), and its first-token distribution is compared with
 the one the request was answered from: KL(full || spliced) and whether the most likely first token is
-the same. The results are kept per tenant salt and per coarse prompt shape (how many reused segments,
-marked or found without markup), for /metrics and `GET /audit`.
+the same. The results are kept per tenant salt and per coarse prompt shape (repair/gate.py: how many
+reused segments, how long, marked or found without markup), for /metrics and `GET /audit`. The trust
+gate also has every request of a shape it is calibrating audited, and takes each audit as a sample.
 
 Which requests are audited is a deterministic schedule, not a draw: with ratio r the n-th spliced
 request is audited where floor(n r) grows, so a run's audits do not depend on a seed. An audit never
@@ -20,20 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsplice.kv.pool import KVPool
+from kvsplice.repair.gate import GateSample, TrustGate
 from kvsplice.reuse.work import Pass, PrefillWork
-from kvsplice.sampling import kl_divergence
+from kvsplice.sampling import kl_divergence, top_margin
 from kvsplice.tiers.entry import salt_key
 
 # Upper bounds of the KL histogram's buckets (nats); the last is +inf.
 KL_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1.0, math.inf)
-
-
-def shape(marked: int, found: int) -> str:
-    """A prompt's coarse shape: how many reused segments, and whether marked or found without markup."""
-    n = marked + found
-    size = "1" if n == 1 else "2-4" if n <= 4 else "5-8" if n <= 8 else "9+"
-    kind = "marked" if not found else "found" if not marked else "both"
-    return f"{size} {kind}"
 
 
 @dataclass
@@ -106,7 +100,8 @@ class Audits:
 
 class AuditFill:
     """One audit as background work: the prompt prefilled in full in blocks of its own, then compared
-    with the logits [vocab] the request was answered from."""
+    with the logits [vocab] the request was answered from. With a trust gate, the comparison is also
+    one of its samples (repair/gate.py)."""
 
     def __init__(
         self,
@@ -117,7 +112,11 @@ class AuditFill:
         token_ids: Sequence[int],
         spliced_logits: torch.Tensor,
         prompt_shape: str,
+        gate: TrustGate | None = None,
+        gate_logits: torch.Tensor | None = None,
     ) -> None:
+        """gate_logits: the logits [vocab] repair gave before a fallback, which the gate samples (None:
+        the request was answered from them, `spliced_logits`)."""
         self.pool = pool
         self.num_layers = num_layers
         self.audits = audits
@@ -125,13 +124,19 @@ class AuditFill:
         self.token_ids = tuple(token_ids)
         self.spliced_logits = spliced_logits
         self.shape = prompt_shape
+        self.gate = gate
+        self.gate_logits = spliced_logits if gate_logits is None else gate_logits
         self._blocks: list[int] = []
+        if gate is not None:
+            gate.queued(prompt_shape)
 
     def start(self) -> PrefillWork | None:
         """The full prefill's work; None (the audit dropped) when the free blocks do not hold it."""
         needed = -(-len(self.token_ids) // self.pool.block_size)
         if self.pool.allocator.num_free < needed:
             self.audits.dropped += 1
+            if self.gate is not None:
+                self.gate.dropped(self.shape)
             return None
         self._blocks = self.pool.allocator.allocate(needed)
         positions = tuple(range(len(self.token_ids)))
@@ -148,5 +153,8 @@ class AuditFill:
         kl = kl_divergence(logits, self.spliced_logits)
         agrees = int(logits.argmax()) == int(self.spliced_logits.argmax())
         self.audits.record(self.salt, self.shape, kl, agrees)
+        if self.gate is not None:
+            sample = GateSample(top_margin(self.gate_logits), kl_divergence(logits, self.gate_logits))
+            self.gate.add(self.shape, sample, queued=True)
         self.pool.allocator.decref(reversed(self._blocks))
         self._blocks = []

@@ -24,7 +24,7 @@ from kvsplice.cache.base import CacheSeq
 from kvsplice.cache.registry import make_prefix_cache
 from kvsplice.cache.segments import SegmentStore, canonical_context
 from kvsplice.config import EngineConfig
-from kvsplice.engine.audit import AuditFill, Audits, AuditSchedule, shape
+from kvsplice.engine.audit import AuditFill, Audits, AuditSchedule
 from kvsplice.engine.background import BackgroundWork
 from kvsplice.engine.block_manager import BlockManager
 from kvsplice.engine.output import OutputProcessor, StepOutput
@@ -41,13 +41,15 @@ from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.plan import SpanKind
 from kvsplice.prompt import Prompt, parse_prompt
+from kvsplice.repair.gate import GateSample, TrustGate
 from kvsplice.repair.registry import POLICIES
 from kvsplice.reuse import segment_kv
 from kvsplice.reuse.discover import MIN_SPAN_TOKENS, SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
 from kvsplice.reuse.path import Prefill, ReusePath, lead_head
-from kvsplice.sampling import SamplingParams, sample
+from kvsplice.sampling import SamplingParams, kl_divergence, sample, top_margin
 from kvsplice.tiers import KVEventPublisher, TieredStore
+from kvsplice.tiers.entry import salt_key
 from kvsplice.tiers.metrics import TierStats
 from kvsplice.tiers.recorder import KVEventRecorder
 
@@ -89,8 +91,9 @@ class Engine:
             fingerprint = store_fingerprint(self.model_dir, self.model_config, config, context)
             store = TieredStore.from_config(config.store, fingerprint)
             self.lower = LowerTiers(store, self.segment_store, self.pool)
+        self.gate = TrustGate(config.fidelity_target) if config.fidelity_target > 0 else None
         self.reuse = ReusePath(
-            self.runner, self.pool, self.segment_store, self.prefix_cache, finder, self.lower
+            self.runner, self.pool, self.segment_store, self.prefix_cache, finder, self.lower, self.gate
         )
         self.events: KVEventRecorder | None = None
         if config.kv_events is not None:
@@ -224,6 +227,7 @@ class Engine:
             background_flops=background.computed_flops,
             audits=self.audits.summary(),
             audits_dropped=self.audits.dropped,
+            gate=self.gate.summary() if self.gate is not None else (),
         )
 
     @property
@@ -356,13 +360,35 @@ class Engine:
         return [self._sampled(request, logits)]
 
     def _maybe_audit(self, request: Request, logits: torch.Tensor) -> None:
-        """Queue a full prefill of a spliced request's prompt, if the audit schedule picks it."""
-        assert request.prefill is not None
-        spliced = request.prefill.plan.spliced()
-        if not spliced or POLICIES[request.repair.policy].exact or not self._audit_schedule.pick():
+        """Audit a spliced request where the audit schedule picks it or the trust gate still calibrates
+        its prompt's shape: a full prefill of its prompt in the background, or none where the request
+        fell back (its fallback pass was that full prefill). The gate samples the logits repair gave
+        before any fallback; the audit compares the full prefill with those the request was answered
+        from."""
+        prefill, gate = request.prefill, self.gate
+        assert prefill is not None and request.admission is not None
+        if not prefill.plan.spliced() or POLICIES[request.repair.policy].exact:
             return
-        marked = len({s.segment for s in spliced if not s.discovered})
-        found = len({s.segment for s in spliced if s.discovered})
+        repair, shape = prefill.repair, prefill.shape
+        if repair.fell_back and gate is not None and prefill.gate_margin > request.repair.fallback_margin:
+            gate.fell_back(shape, repair.fallback_tokens)
+        calibrating = gate is not None and gate.wants_sample(shape)
+        if not self._audit_schedule.pick() and not calibrating:
+            return
+        admission = request.admission
+        # A prefix hit under segment keys may hold an earlier request's spliced KV, which a fallback
+        # leaves as it is: only without one is the fallback's prefill a full prefill.
+        exact_prefix = (
+            admission.approximate_from is None or admission.prefix_hit_tokens <= admission.approximate_from
+        )
+        if repair.fell_back and exact_prefix:
+            spliced = repair.spliced_logits
+            assert spliced is not None
+            kl = kl_divergence(logits, spliced)
+            self.audits.record(salt_key(request.namespace), shape, 0.0, True)
+            if gate is not None:
+                gate.add(shape, GateSample(top_margin(spliced), kl), queued=False)
+            return
         self.background.audit(
             AuditFill(
                 self.pool,
@@ -371,7 +397,9 @@ class Engine:
                 request.namespace,
                 request.prompt.token_ids,
                 logits.clone(),
-                shape(marked, found),
+                shape,
+                gate,
+                repair.spliced_logits,
             )
         )
 

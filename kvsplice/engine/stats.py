@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvsplice.engine.audit import AuditSummary
+from kvsplice.repair.gate import GateCell
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class EngineStats:
     # The live audit's results so far, by tenant salt and prompt shape, and the audits dropped for memory.
     audits: tuple[AuditSummary, ...] = ()
     audits_dropped: int = 0
+    # The trust gate, by prompt shape: its samples, threshold and what its fallbacks cost.
+    gate: tuple[GateCell, ...] = ()
 
     @property
     def total_flops(self) -> float:

@@ -34,6 +34,7 @@ from kvsplice.options import RepairSettings
 from kvsplice.plan import Plan, Span, SpanKind, make_plan
 from kvsplice.prompt import ParsedPrompt
 from kvsplice.repair.base import RepairTask
+from kvsplice.repair.gate import TrustGate, prompt_shape
 from kvsplice.repair.registry import budget_tokens, make_policy
 from kvsplice.repair.shift import default_shift
 from kvsplice.reuse.discover import Discovery, FoundSpan, SeenSpan, SpanFinder
@@ -132,6 +133,9 @@ class Prefill:
     # Segments this prefill took from the store or from a queued copy, not from a tier below: seen
     # again, so worth the background work that brings their stored KV closer to a full prefill's.
     recurring: tuple[tuple[int, ...], ...] = ()
+    # The prompt's coarse shape (repair/gate.py) and the fallback margin the gate set for it (0: none).
+    shape: str = ""
+    gate_margin: float = 0.0
 
     @property
     def recomputed(self) -> int:
@@ -157,16 +161,19 @@ class ReusePath:
         prefix_cache: PrefixCache,
         finder: SpanFinder | None = None,
         lower: LowerTiers | None = None,
+        gate: TrustGate | None = None,
     ) -> None:
         """finder: finds reusable spans in prompts without markup (None: only marked segments); their
         KV comes from the store, or from earlier prompts' blocks in `prefix_cache`. lower: the tiers
-        below the pool (None: none)."""
+        below the pool (None: none). gate: the trust gate, which raises a request's fallback margin
+        where its prompt's shape needs it (None: the request's own margin only)."""
         self.runner = runner
         self.pool = pool
         self.store = store
         self.prefix_cache = prefix_cache
         self.finder = finder
         self.lower = lower
+        self.gate = gate
         # The segment shift of repair: the model family's (repair/shift.py).
         self.shift = default_shift(runner.cfg)
         if finder is not None:
@@ -286,6 +293,8 @@ class ReusePath:
         if self.finder is not None and discovered and not policy.exact:
             missed += self._unkept(prompt, plan, missed)
         spliced = plan.tokens(SpanKind.SPLICED)
+        shape = prompt_shape(plan) if plan.spliced() else ""
+        gate_margin = self.gate.margin(shape) if self.gate is not None and shape and not policy.exact else 0.0
         # The heads of found spans (plan.heads) were reused tokens: they count toward the budget.
         budget = (
             max(0, budget_tokens(spliced + plan.heads, settings.ratio) - plan.heads)
@@ -300,7 +309,7 @@ class ReusePath:
                 self.runner.num_layers,
                 self.runner.cfg,
                 self.shift,
-                settings.fallback_margin,
+                max(settings.fallback_margin, gate_margin),
             ),
         )
         work = PrefillWork(
@@ -321,6 +330,8 @@ class ReusePath:
             borrowed=tuple(borrowed),
             lead_missing=tuple(lead_missing),
             recurring=tuple(dict.fromkeys(recurring)),
+            shape=shape,
+            gate_margin=gate_margin,
         )
 
     def _exact_lead(self, namespace: Hashable, prompt: ParsedPrompt) -> int | None:

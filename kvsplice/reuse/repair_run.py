@@ -40,6 +40,10 @@ class RepairRun:
         self._fresh: dict[int, set[int]] = {layer: set() for layer in range(layers)}
         # Whether the fallback margin sent the request to a full prefill (`_fall_back`).
         self.fell_back = False
+        # Where it did: the first-token logits [vocab] repair gave before the fallback pass, and how many
+        # stale tokens that pass recomputed beyond the policy's.
+        self.spliced_logits: torch.Tensor | None = None
+        self.fallback_tokens = 0
         self.decision = policy.decide(task)
         # A pass already decided that runs after the current one.
         self._queued: Pass | None = None
@@ -120,6 +124,8 @@ class RepairRun:
         if set(stale) <= set(self.recomputed):
             return None  # already exact
         self.fell_back = True
+        self.spliced_logits = logits.clone()
+        self.fallback_tokens = len(set(stale) - set(self.recomputed))
         self.recomputed = _union(self.recomputed, stale)
         return self._pass(_union(self._compute, stale), range(self.task.num_layers))
 

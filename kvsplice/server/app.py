@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -61,6 +62,7 @@ class OpenAIServer:
         self.engine = AsyncEngine(engine, on_output=self.metrics.observe, on_abort=self.metrics.abort)
         self.tokenizer = engine.tokenizer
         self.audit_ratio = engine.config.audit_ratio
+        self.fidelity_target = engine.config.fidelity_target
         self.created = int(time.time())
 
     # -- endpoints --------------------------------------------------------------------------------
@@ -107,7 +109,8 @@ class OpenAIServer:
 
     async def audit(self, request: Request) -> JSONResponse:
         """The live audit so far: per tenant salt and prompt shape, how many spliced requests were also
-        prefilled in full, how often the first token agreed, and the first token's KL."""
+        prefilled in full, how often the first token agreed, and the first token's KL; and per shape the
+        trust gate's samples, the margin below which it falls back (null: calibrating) and the cost."""
         self._authorize(request)
         stats = self.engine.stats
         cells = [
@@ -121,8 +124,26 @@ class OpenAIServer:
             }
             for c in stats.audits
         ]
+        gate = [
+            {
+                "shape": g.shape,
+                "samples": g.samples,
+                # JSON has no infinity: "all" where every request of the shape falls back.
+                "fallback_below_margin": "all" if g.threshold == math.inf else g.threshold,
+                "kl_mean_spliced": g.kl_mean,
+                "fallbacks": g.fallbacks,
+                "fallback_tokens": g.fallback_tokens,
+            }
+            for g in stats.gate
+        ]
         return JSONResponse(
-            {"audit_ratio": self.audit_ratio, "dropped": stats.audits_dropped, "cells": cells}
+            {
+                "audit_ratio": self.audit_ratio,
+                "fidelity_target": self.fidelity_target,
+                "dropped": stats.audits_dropped,
+                "cells": cells,
+                "gate": gate,
+            }
         )
 
     async def prometheus(self, request: Request) -> Response:

@@ -261,3 +261,25 @@ def _audit_metrics(model_name: str, s: EngineStats) -> Iterator[Metric]:
     )
     dropped.add_metric([model_name], s.audits_dropped)
     yield dropped
+    gate_labels = ["model_name", "shape"]
+    fallbacks = CounterMetricFamily(
+        "kvsplice:gate_fallbacks",
+        "Spliced requests the trust gate prefilled in full (first token below its shape's margin)",
+        labels=gate_labels,
+    )
+    tokens = CounterMetricFamily(
+        "kvsplice:gate_fallback_tokens", "Tokens the trust gate's fallbacks recomputed", labels=gate_labels
+    )
+    margin = GaugeMetricFamily(
+        "kvsplice:gate_margin",
+        "First-token margin below which a shape falls back (+Inf: every request; absent: calibrating)",
+        labels=gate_labels,
+    )
+    for g in s.gate:
+        fallbacks.add_metric([model_name, g.shape], g.fallbacks)
+        tokens.add_metric([model_name, g.shape], g.fallback_tokens)
+        if g.threshold is not None:
+            margin.add_metric([model_name, g.shape], g.threshold)
+    yield fallbacks
+    yield tokens
+    yield margin

@@ -1,0 +1,156 @@
+"""The trust gate (repair/gate.py): its threshold against a brute-force oracle, its calibration, and the
+engine's fallbacks under it against an independent full prefill. Tiny random-weight models, token-id
+prompts."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvsplice import LLM, RequestOptions, SamplingParams, Segment
+from kvsplice.plan import make_plan
+from kvsplice.repair.gate import MIN_SAMPLES, GateSample, TrustGate, prompt_shape, threshold
+from kvsplice.sampling import kl_divergence
+from tests import tiny_models
+
+rng = random.Random(11)
+SYSTEM = [rng.randrange(1, 320) for _ in range(9)]
+DOCS = [[rng.randrange(1, 320) for _ in range(40)] for _ in range(4)]
+QUESTION = [rng.randrange(1, 320) for _ in range(6)]
+FIRST = SamplingParams(max_tokens=1, temperature=0.0, return_first_logits=True)
+# No prefix cache: each reordered prompt reuses its documents as segments, never an earlier prefix.
+SETTINGS = {"block_size": 8, "kv_cache_gb": 0.01, "num_threads": 1, "prefix_cache": "off"}
+# Unrepaired splicing: damage the gate can see on a random-weight model.
+UNREPAIRED = RequestOptions(repair="none")
+ORDERS = list(itertools.permutations(range(4)))
+
+
+def _upper_bound(kl_kept: list[float]) -> float:
+    return statistics.fmean(kl_kept) + 2.0 * statistics.stdev(kl_kept) / math.sqrt(len(kl_kept))
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(0, 1), st.floats(0, 2)).map(lambda mk: GateSample(*mk)), min_size=2, max_size=40
+    ),
+    st.floats(1e-4, 0.5),
+)
+def test_the_threshold_is_the_lowest_margin_whose_kept_kl_meets_the_target(
+    samples: list[GateSample], target: float
+) -> None:
+    def meets(t: float) -> bool:
+        return _upper_bound([s.kl if s.margin >= t else 0.0 for s in samples]) <= target + 1e-12
+
+    t = threshold(samples, target)
+    candidates = sorted({0.0, *(s.margin for s in samples)})
+    if t == math.inf:
+        assert not any(meets(c) for c in candidates)
+    else:
+        assert t in candidates and meets(t)
+        assert not any(meets(c) for c in candidates if c < t)
+
+
+def test_a_shape_calibrates_then_falls_back_only_where_its_samples_say() -> None:
+    gate = TrustGate(0.05)
+    assert gate.wants_sample("a") and gate.margin("a") == 0.0
+    for i in range(MIN_SAMPLES):
+        gate.queued("a")
+        assert gate.wants_sample("a") == (i + 1 < MIN_SAMPLES), "queued audits count toward calibration"
+    for i in range(MIN_SAMPLES):
+        assert gate.margin("a") == 0.0, "a calibrating shape is spliced"
+        # Near-ties far from the full prefill; sure answers close to it.
+        gate.add("a", GateSample(0.01 * i, 0.5) if i < 3 else GateSample(0.5 + 0.01 * i, 0.001), queued=True)
+    assert gate.margin("a") == pytest.approx(0.53), "the near-ties fall back, the sure answers are spliced"
+    for _ in range(MIN_SAMPLES):
+        gate.add("b", GateSample(0.9, 1.0), queued=False)
+    assert gate.margin("b") == math.inf, "a shape whose sure answers are far from full is never spliced"
+    for _ in range(MIN_SAMPLES):
+        gate.add("c", GateSample(0.1, 0.001), queued=False)
+    assert gate.margin("c") == 0.0
+    gate.fell_back("b", 120)
+    cells = {c.shape: c for c in gate.summary()}
+    assert (
+        cells["b"].fallbacks == 1 and cells["b"].fallback_tokens == 120 and cells["b"].threshold == math.inf
+    )
+
+
+def test_shapes_tell_few_short_examples_from_long_passages() -> None:
+    short = make_plan(200, 0, [(10, 60, 0), (60, 110, 1), (110, 160, 2)])
+    long = make_plan(2000, 0, [(0, 600, 0), (600, 1200, 1)], discovered=frozenset({1}))
+    assert prompt_shape(short) == "2-4 x <128 marked"
+    assert prompt_shape(long) == "2-4 x 512+ both"
+    assert prompt_shape(make_plan(300, 0, [(0, 200, 0)], discovered=frozenset({0}))) == "1 x 128-511 found"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("LlamaForCausalLM")
+    tiny_models.save("LlamaForCausalLM", directory)
+    return directory
+
+
+def _reordered(i: int) -> list[int]:
+    """The i-th order of the four documents (distinct for i < 24)."""
+    return list(ORDERS[i])
+
+
+def _full(plain: LLM, order: list[int]) -> Any:
+    """The same prompt without markup: a full prefill."""
+    return plain.generate([[*SYSTEM, *(t for d in order for t in DOCS[d]), *QUESTION]], FIRST)[0]
+
+
+def _ask(llm: LLM, order: list[int], options: RequestOptions) -> Any:
+    out = llm.generate([[SYSTEM, *(Segment(DOCS[d]) for d in order), QUESTION]], FIRST, options)[0]
+    while llm.engine.has_unfinished():  # the audits run as background work after the request
+        llm.engine.step()
+    return out
+
+
+def test_a_shape_far_from_full_prefill_falls_back_to_a_full_prefill(model_dir: Path) -> None:
+    # A target no unrepaired splice meets: once calibrated, every request of the shape falls back.
+    gated = LLM(model=str(model_dir), fidelity_target=1e-9, audit_ratio=1.0, **SETTINGS)
+    plain = LLM(
+        model=str(model_dir), prefix_cache="off", **{k: v for k, v in SETTINGS.items() if k != "prefix_cache"}
+    )
+    _ask(gated, _reordered(0), UNREPAIRED)
+    kls = []
+    for i in range(MIN_SAMPLES):
+        out = _ask(gated, _reordered(i + 1), UNREPAIRED)
+        assert out.metrics.segment_hit_tokens > 0 and not out.metrics.repair_fallback, "calibrating"
+        want = plain.generate(
+            [[*SYSTEM, *(t for d in _reordered(i + 1) for t in DOCS[d]), *QUESTION]], FIRST
+        )[0]
+        kls.append(kl_divergence(want.first_logits, out.first_logits))
+    assert max(kls) > 1e-4, "unrepaired splicing is not exact here: the gate has damage to see"
+    (cell,) = gated.engine.stats().gate
+    assert cell.samples == MIN_SAMPLES and cell.threshold == math.inf
+    background = gated.engine.stats().background_tokens
+    order = _reordered(MIN_SAMPLES + 1)
+    out = _ask(gated, order, UNREPAIRED)
+    assert out.metrics.repair_fallback
+    want = _full(plain, order)
+    assert kl_divergence(want.first_logits, out.first_logits) < 1e-6, "a fallback answers as a full prefill"
+    stats = gated.engine.stats()
+    (cell,) = stats.gate
+    assert cell.fallbacks == 1 and cell.fallback_tokens > 0 and cell.samples == MIN_SAMPLES + 1
+    assert stats.background_tokens == background, "a fallback's own full prefill is its audit: no more work"
+
+
+def test_a_shape_within_the_target_is_spliced_after_calibration(model_dir: Path) -> None:
+    lenient = LLM(model=str(model_dir), fidelity_target=100.0, audit_ratio=0.0, **SETTINGS)
+    _ask(lenient, _reordered(0), UNREPAIRED)
+    for i in range(MIN_SAMPLES + 2):
+        out = _ask(lenient, _reordered(i + 1), UNREPAIRED)
+        assert out.metrics.segment_hit_tokens > 0 and not out.metrics.repair_fallback
+    (cell,) = lenient.engine.stats().gate
+    assert cell.threshold == 0.0 and cell.fallbacks == 0
+    # Calibration audits stop once the shape has its samples (audit_ratio 0: no scheduled ones).
+    assert cell.samples == MIN_SAMPLES
