@@ -99,7 +99,8 @@ def test_the_server_reports_the_audit(model_dir: Path) -> None:
         (cell,) = audit["cells"]
         assert (cell["salt"], cell["shape"], cell["requests"]) == ("salt:tenant-a", "2-4 x <128 marked", 1)
         (gate,) = audit["gate"]
-        assert (gate["shape"], gate["samples"], gate["fallback_below_margin"]) == (cell["shape"], 1, None)
+        assert gate["cell"] == "2-4 x <128 marked, attention@15%"
+        assert (gate["samples"], gate["fallback_below_margin"]) == (1, None)
         assert cell["kl_mean"] >= 0.0 and 0.0 <= cell["first_token_agreement"] <= 1.0
         m = metrics(server)
         assert any(k.startswith("kvsplice:audit_first_token_kl_bucket") for k in m)

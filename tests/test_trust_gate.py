@@ -76,7 +76,7 @@ def test_a_shape_calibrates_then_falls_back_only_where_its_samples_say() -> None
         gate.add("c", GateSample(0.1, 0.001), queued=False)
     assert gate.margin("c") == 0.0
     gate.fell_back("b", 120)
-    cells = {c.shape: c for c in gate.summary()}
+    cells = {c.key: c for c in gate.summary()}
     assert (
         cells["b"].fallbacks == 1 and cells["b"].fallback_tokens == 120 and cells["b"].threshold == math.inf
     )

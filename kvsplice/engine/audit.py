@@ -113,10 +113,11 @@ class AuditFill:
         spliced_logits: torch.Tensor,
         prompt_shape: str,
         gate: TrustGate | None = None,
+        gate_key: str = "",
         gate_logits: torch.Tensor | None = None,
     ) -> None:
-        """gate_logits: the logits [vocab] repair gave before a fallback, which the gate samples (None:
-        the request was answered from them, `spliced_logits`)."""
+        """gate_key: the request's cell in the gate; gate_logits: the logits [vocab] repair gave before a
+        fallback, which the gate samples (None: the request was answered from them, `spliced_logits`)."""
         self.pool = pool
         self.num_layers = num_layers
         self.audits = audits
@@ -125,10 +126,11 @@ class AuditFill:
         self.spliced_logits = spliced_logits
         self.shape = prompt_shape
         self.gate = gate
+        self.gate_key = gate_key
         self.gate_logits = spliced_logits if gate_logits is None else gate_logits
         self._blocks: list[int] = []
         if gate is not None:
-            gate.queued(prompt_shape)
+            gate.queued(gate_key)
 
     def start(self) -> PrefillWork | None:
         """The full prefill's work; None (the audit dropped) when the free blocks do not hold it."""
@@ -136,7 +138,7 @@ class AuditFill:
         if self.pool.allocator.num_free < needed:
             self.audits.dropped += 1
             if self.gate is not None:
-                self.gate.dropped(self.shape)
+                self.gate.dropped(self.gate_key)
             return None
         self._blocks = self.pool.allocator.allocate(needed)
         positions = tuple(range(len(self.token_ids)))
@@ -155,6 +157,6 @@ class AuditFill:
         self.audits.record(self.salt, self.shape, kl, agrees)
         if self.gate is not None:
             sample = GateSample(top_margin(self.gate_logits), kl_divergence(logits, self.gate_logits))
-            self.gate.add(self.shape, sample, queued=True)
+            self.gate.add(self.gate_key, sample, queued=True)
         self.pool.allocator.decref(reversed(self._blocks))
         self._blocks = []

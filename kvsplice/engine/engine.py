@@ -369,10 +369,10 @@ class Engine:
         assert prefill is not None and request.admission is not None
         if not prefill.plan.spliced() or POLICIES[request.repair.policy].exact:
             return
-        repair, shape = prefill.repair, prefill.shape
+        repair, shape, key = prefill.repair, prefill.shape, prefill.gate_key
         if repair.fell_back and gate is not None and prefill.gate_margin > request.repair.fallback_margin:
-            gate.fell_back(shape, repair.fallback_tokens)
-        calibrating = gate is not None and gate.wants_sample(shape)
+            gate.fell_back(key, repair.fallback_tokens)
+        calibrating = gate is not None and gate.wants_sample(key)
         if not self._audit_schedule.pick() and not calibrating:
             return
         admission = request.admission
@@ -387,7 +387,7 @@ class Engine:
             kl = kl_divergence(logits, spliced)
             self.audits.record(salt_key(request.namespace), shape, 0.0, True)
             if gate is not None:
-                gate.add(shape, GateSample(top_margin(spliced), kl), queued=False)
+                gate.add(key, GateSample(top_margin(spliced), kl), queued=False)
             return
         self.background.audit(
             AuditFill(
@@ -399,6 +399,7 @@ class Engine:
                 logits.clone(),
                 shape,
                 gate,
+                key,
                 repair.spliced_logits,
             )
         )

@@ -3,16 +3,16 @@ within the quality target a user sets (`EngineConfig.fidelity_target`: the mean 
 full prefill, in nats).
 
 A request's risk is read from its own first token after repair: where it leads the runner-up by little
-(a near-tie) repair flips answers, where it leads by much it rarely does (docs/fidelity.md). Per prompt
-shape the gate keeps samples of (the margin the splice gave, its KL from a full prefill), from audits
-(engine/audit.py). From them it picks the lowest margin threshold t such that splicing only the
-requests whose margin is at least t, and prefilling the rest in full (KL 0), keeps the shape's mean KL
-within the target with two standard errors to spare. Nothing is tuned per model: the threshold is the
-answer of the model's own audits on the traffic it serves, and a shape where splicing cannot be trusted
-(few-shot prompts on Gemma 3) gets a threshold above every margin, so all its requests fall back.
+(a near-tie) repair flips answers, where it leads by much it rarely does (docs/fidelity.md). Per cell (a
+prompt shape under one repair policy and budget) the gate keeps samples of (the margin the splice gave,
+its KL from a full prefill), from audits (engine/audit.py). From them it picks the lowest margin
+threshold t such that splicing only the requests whose margin is at least t, and prefilling the rest in
+full (KL 0), keeps the cell's mean KL within the target with Z standard errors to spare. Nothing is
+tuned per model: the threshold is the answer of the model's own audits on the traffic it serves, and a
+cell where splicing cannot be trusted gets a threshold above every margin: all its requests fall back.
 
-A shape with fewer than MIN_SAMPLES samples is calibrating: its requests are spliced and every one of
-them is audited in the background until the samples are in, so the first requests of a shape are served
+A cell with fewer than MIN_SAMPLES samples is calibrating: its requests are spliced and every one of
+them is audited in the background until the samples are in, so the first requests of a cell are served
 as fast as the rest and paid for in background work (counted with it). The gate is plain Python.
 """
 
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 from kvsplice.plan import Plan
 
-# Samples a shape needs before its threshold is read from them: fewer give no usable standard error.
+# Samples a cell needs before its threshold is read from them: fewer give no usable standard error.
 MIN_SAMPLES = 10
-# Samples kept per shape (the most recent): the threshold follows the traffic as it drifts.
+# Samples kept per cell (the most recent): the threshold follows the traffic as it drifts.
 MAX_SAMPLES = 256
-# Standard errors between a shape's estimated mean KL and the target.
+# Standard errors between a cell's estimated mean KL and the target.
 Z = 2.0
 
 
@@ -47,6 +47,11 @@ def prompt_shape(plan: Plan) -> str:
     return f"{count} x {size} {kind}"
 
 
+def gate_cell(shape: str, policy: str, ratio: float) -> str:
+    """The gate's cell: a prompt shape under one repair (its KL depends on both)."""
+    return f"{shape}, {policy}@{ratio * 100:g}%"
+
+
 @dataclass(frozen=True)
 class GateSample:
     """One audited splice: its first token's margin after repair (probability lead over the runner-up)
@@ -59,7 +64,7 @@ class GateSample:
 def threshold(samples: Sequence[GateSample], target: float) -> float:
     """The lowest margin t such that splicing the requests with margin >= t (the rest, KL 0, in full)
     keeps the mean KL's upper bound (mean + Z standard errors) within `target`; math.inf where even
-    the lowest splicing candidate does not (every request of the shape in full)."""
+    the lowest splicing candidate does not (every request of the cell in full)."""
     n = len(samples)
     assert n >= 2, "a standard error needs two samples"
     for t in sorted({0.0, *(s.margin for s in samples)}):
@@ -73,9 +78,9 @@ def threshold(samples: Sequence[GateSample], target: float) -> float:
 
 @dataclass(frozen=True)
 class GateCell:
-    """A snapshot of one shape, for Engine.stats() and GET /audit."""
+    """A snapshot of one cell (a prompt shape under one repair), for Engine.stats() and GET /audit."""
 
-    shape: str
+    key: str
     samples: int
     # The margin below which requests fall back to a full prefill (inf: all; None: calibrating).
     threshold: float | None
@@ -94,58 +99,59 @@ class _Cell:
 
 
 class TrustGate:
-    """Per prompt shape: the samples, the margin threshold read from them, and what falling back cost."""
+    """Per cell (a prompt shape under one repair): the samples, the margin threshold read from them,
+    and what falling back cost."""
 
     def __init__(self, target: float) -> None:
         assert target > 0, "a gate needs a positive target (fidelity_target 0 means no gate)"
         self.target = target
         self._cells: dict[str, _Cell] = {}
 
-    def margin(self, shape: str) -> float:
-        """The fallback margin for a request of this shape: 0 (splice) while the shape calibrates."""
-        cell = self._cells.get(shape)
-        return 0.0 if cell is None or cell.threshold is None else cell.threshold
+    def margin(self, key: str) -> float:
+        """The fallback margin for a request of this cell: 0 (splice) while the cell calibrates."""
+        c = self._cells.get(key)
+        return 0.0 if c is None or c.threshold is None else c.threshold
 
-    def wants_sample(self, shape: str) -> bool:
-        """Whether the shape still calibrates, counting the audits already queued for it."""
-        cell = self._cells.get(shape)
-        return cell is None or len(cell.samples) + cell.pending < MIN_SAMPLES
+    def wants_sample(self, key: str) -> bool:
+        """Whether the cell still calibrates, counting the audits already queued for it."""
+        c = self._cells.get(key)
+        return c is None or len(c.samples) + c.pending < MIN_SAMPLES
 
-    def queued(self, shape: str) -> None:
-        self._cells.setdefault(shape, _Cell()).pending += 1
+    def queued(self, key: str) -> None:
+        self._cells.setdefault(key, _Cell()).pending += 1
 
-    def dropped(self, shape: str) -> None:
+    def dropped(self, key: str) -> None:
         """A queued audit that never ran (no free blocks for it)."""
-        cell = self._cells[shape]
-        assert cell.pending > 0
-        cell.pending -= 1
+        c = self._cells[key]
+        assert c.pending > 0
+        c.pending -= 1
 
-    def add(self, shape: str, sample: GateSample, *, queued: bool) -> None:
+    def add(self, key: str, sample: GateSample, *, queued: bool) -> None:
         """A sample, from a queued audit (`queued`) or a free one: a fallback's own full prefill."""
         assert sample.margin >= 0 and sample.kl >= 0
-        cell = self._cells.setdefault(shape, _Cell())
+        c = self._cells.setdefault(key, _Cell())
         if queued:
-            assert cell.pending > 0
-            cell.pending -= 1
-        cell.samples.append(sample)
-        if len(cell.samples) >= MIN_SAMPLES:
-            cell.threshold = threshold(cell.samples, self.target)
+            assert c.pending > 0
+            c.pending -= 1
+        c.samples.append(sample)
+        if len(c.samples) >= MIN_SAMPLES:
+            c.threshold = threshold(c.samples, self.target)
 
-    def fell_back(self, shape: str, tokens: int) -> None:
-        """A request of this shape fell back below the gate's margin, recomputing `tokens` more."""
-        cell = self._cells[shape]
-        cell.fallbacks += 1
-        cell.fallback_tokens += tokens
+    def fell_back(self, key: str, tokens: int) -> None:
+        """A request of this cell fell back below the gate's margin, recomputing `tokens` more."""
+        c = self._cells[key]
+        c.fallbacks += 1
+        c.fallback_tokens += tokens
 
     def summary(self) -> tuple[GateCell, ...]:
         return tuple(
             GateCell(
-                shape,
+                key,
                 len(c.samples),
                 c.threshold,
                 sum(s.kl for s in c.samples) / len(c.samples) if c.samples else 0.0,
                 c.fallbacks,
                 c.fallback_tokens,
             )
-            for shape, c in sorted(self._cells.items())
+            for key, c in sorted(self._cells.items())
         )

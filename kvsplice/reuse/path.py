@@ -34,7 +34,7 @@ from kvsplice.options import RepairSettings
 from kvsplice.plan import Plan, Span, SpanKind, make_plan
 from kvsplice.prompt import ParsedPrompt
 from kvsplice.repair.base import RepairTask
-from kvsplice.repair.gate import TrustGate, prompt_shape
+from kvsplice.repair.gate import TrustGate, gate_cell, prompt_shape
 from kvsplice.repair.registry import budget_tokens, make_policy
 from kvsplice.repair.shift import default_shift
 from kvsplice.reuse.discover import Discovery, FoundSpan, SeenSpan, SpanFinder
@@ -133,8 +133,10 @@ class Prefill:
     # Segments this prefill took from the store or from a queued copy, not from a tier below: seen
     # again, so worth the background work that brings their stored KV closer to a full prefill's.
     recurring: tuple[tuple[int, ...], ...] = ()
-    # The prompt's coarse shape (repair/gate.py) and the fallback margin the gate set for it (0: none).
+    # The prompt's coarse shape (repair/gate.py), its cell in the trust gate (the shape under this
+    # repair) and the fallback margin the gate set for it (0: none).
     shape: str = ""
+    gate_key: str = ""
     gate_margin: float = 0.0
 
     @property
@@ -294,7 +296,10 @@ class ReusePath:
             missed += self._unkept(prompt, plan, missed)
         spliced = plan.tokens(SpanKind.SPLICED)
         shape = prompt_shape(plan) if plan.spliced() else ""
-        gate_margin = self.gate.margin(shape) if self.gate is not None and shape and not policy.exact else 0.0
+        gate_key = gate_cell(shape, settings.policy, settings.ratio)
+        gate_margin = (
+            self.gate.margin(gate_key) if self.gate is not None and shape and not policy.exact else 0.0
+        )
         # The heads of found spans (plan.heads) were reused tokens: they count toward the budget.
         budget = (
             max(0, budget_tokens(spliced + plan.heads, settings.ratio) - plan.heads)
@@ -331,6 +336,7 @@ class ReusePath:
             lead_missing=tuple(lead_missing),
             recurring=tuple(dict.fromkeys(recurring)),
             shape=shape,
+            gate_key=gate_key,
             gate_margin=gate_margin,
         )
 

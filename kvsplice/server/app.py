@@ -126,7 +126,7 @@ class OpenAIServer:
         ]
         gate = [
             {
-                "shape": g.shape,
+                "cell": g.key,
                 "samples": g.samples,
                 # JSON has no infinity: "all" where every request of the shape falls back.
                 "fallback_below_margin": "all" if g.threshold == math.inf else g.threshold,

@@ -261,7 +261,7 @@ def _audit_metrics(model_name: str, s: EngineStats) -> Iterator[Metric]:
     )
     dropped.add_metric([model_name], s.audits_dropped)
     yield dropped
-    gate_labels = ["model_name", "shape"]
+    gate_labels = ["model_name", "cell"]
     fallbacks = CounterMetricFamily(
         "kvsplice:gate_fallbacks",
         "Spliced requests the trust gate prefilled in full (first token below its shape's margin)",
@@ -276,10 +276,10 @@ def _audit_metrics(model_name: str, s: EngineStats) -> Iterator[Metric]:
         labels=gate_labels,
     )
     for g in s.gate:
-        fallbacks.add_metric([model_name, g.shape], g.fallbacks)
-        tokens.add_metric([model_name, g.shape], g.fallback_tokens)
+        fallbacks.add_metric([model_name, g.key], g.fallbacks)
+        tokens.add_metric([model_name, g.key], g.fallback_tokens)
         if g.threshold is not None:
-            margin.add_metric([model_name, g.shape], g.threshold)
+            margin.add_metric([model_name, g.key], g.threshold)
     yield fallbacks
     yield tokens
     yield margin
