@@ -39,6 +39,9 @@ class RequestOptions:
     repair_fallback_margin: float | None = None
     # Tenant isolation: requests with different salts never share KV (prefix cache or segment store).
     cache_salt: str | None = None
+    # Also prefill this request in full before it returns, and say in its metrics (the server's usage)
+    # how far its answer was from the full prefill's (engine/audit.py).
+    audit: bool = False
 
     def __post_init__(self) -> None:
         if self.repair is not None and self.repair not in POLICY_NAMES:
@@ -51,6 +54,8 @@ class RequestOptions:
                 raise InvalidRequestError(f"{name} must be in [0, 1], got {value!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
+        if not isinstance(self.audit, bool):
+            raise InvalidRequestError("audit must be true or false")
 
     def resolve(self, config: EngineConfig) -> RepairSettings:
         """The settings with the engine's defaults (EngineConfig's fields of the same names) filled in."""

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvsplice.engine.audit import AuditResult
 
 
 @dataclass
@@ -38,6 +42,9 @@ class RequestMetrics:
     # Estimated FLOPs of this request's prefill (segment-store fills are background work, not counted).
     prefill_flops: float = 0.0
     ttft_s: float = 0.0
+    # Where the request asked for its own audit (RequestOptions.audit): how far its answer was from a full
+    # prefill's (None: not asked, or no free KV blocks to run it).
+    audit: AuditResult | None = None
     e2e_s: float = 0.0
     queue_s: float = 0.0
 

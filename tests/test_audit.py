@@ -13,7 +13,7 @@ import pytest
 
 from kvsplice import LLM, RequestOptions, SamplingParams, Segment
 from kvsplice.config import EngineConfig
-from kvsplice.engine.audit import KL_BUCKETS, AuditSchedule
+from kvsplice.engine.audit import KL_BUCKETS, AuditResult, AuditSchedule
 from kvsplice.engine.engine import Engine
 from kvsplice.sampling import kl_divergence
 from kvsplice.server.launch import ServerThread
@@ -82,6 +82,53 @@ def test_the_audit_records_what_a_direct_full_prefill_comparison_gives(model_dir
     assert quiet.engine.stats().audits == ()
 
 
+def _leading_agreement(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def test_the_audit_counts_the_answer_tokens_a_full_prefill_decodes_too(model_dir: Path) -> None:
+    answer = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    audited = LLM(model=str(model_dir), prefix_cache="off", audit_ratio=1.0, fidelity_target=0.0, **SETTINGS)
+    plain = LLM(model=str(model_dir), prefix_cache="off", **SETTINGS)
+    audited.generate([[SYSTEM, *map(Segment, DOCS), QUESTION]], answer)
+    agreeing, same = [], 0
+    for i, order in enumerate(([2, 0, 3, 1], [1, 3, 0, 2], [3, 2, 1, 0], [0, 2, 1, 3])):
+        options = RequestOptions(repair="none" if i % 2 else "attention")
+        got = audited.generate([[SYSTEM, *(Segment(DOCS[d]) for d in order), QUESTION]], answer, options)[0]
+        want = plain.generate([[*SYSTEM, *(t for d in order for t in DOCS[d]), *QUESTION]], answer)[0]
+        agreeing.append(_leading_agreement(got.token_ids, want.token_ids))
+        same += got.token_ids == want.token_ids
+    while audited.engine.has_unfinished():
+        audited.engine.step()
+    cells = audited.engine.stats().audits
+    assert sum(c.continuations for c in cells) == 4
+    assert sum(c.agreeing_tokens for c in cells) == sum(agreeing)
+    assert sum(c.same_continuations for c in cells) == same
+    assert min(agreeing) < 6, "some answer diverges from the full prefill's: the audit has one to count"
+
+
+def test_a_request_that_asks_gets_its_own_audit_before_it_returns(model_dir: Path) -> None:
+    answer = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, return_first_logits=True)
+    llm = LLM(model=str(model_dir), prefix_cache="off", audit_ratio=0.0, fidelity_target=0.0, **SETTINGS)
+    plain = LLM(model=str(model_dir), prefix_cache="off", **SETTINGS)
+    first = llm.generate([[SYSTEM, *map(Segment, DOCS), QUESTION]], answer, RequestOptions(audit=True))[0]
+    # Nothing was reused: the answer was a full prefill's, and the audit says so without computing.
+    assert first.metrics.audit == AuditResult(0.0, True, 5, 5)
+    order = [3, 1, 0, 2]
+    asked = RequestOptions(repair="none", audit=True)
+    got = llm.generate([[SYSTEM, *(Segment(DOCS[d]) for d in order), QUESTION]], answer, asked)[0]
+    want = plain.generate([[*SYSTEM, *(t for d in order for t in DOCS[d]), *QUESTION]], answer)[0]
+    audit = got.metrics.audit
+    assert audit is not None and got.first_logits is not None and want.first_logits is not None
+    assert audit.first_token_kl == pytest.approx(kl_divergence(want.first_logits, got.first_logits), abs=1e-6)
+    assert audit.first_token_kl > 1e-4, "unrepaired: the audit has damage to see"
+    assert audit.agreeing_tokens == _leading_agreement(got.token_ids, want.token_ids)
+    # Not asked, not scheduled: no audit.
+    plain_options = RequestOptions(repair="none")
+    got = llm.generate([[SYSTEM, *(Segment(DOCS[d]) for d in [2, 3, 1, 0]), QUESTION]], answer, plain_options)
+    assert got[0].metrics.audit is None
+
+
 def test_the_server_reports_the_audit(model_dir: Path) -> None:
     engine = Engine(EngineConfig(model=str(model_dir), prefix_cache="radix", audit_ratio=1.0, **SETTINGS))
     with ServerThread(engine) as server:
@@ -93,6 +140,11 @@ def test_the_server_reports_the_audit(model_dir: Path) -> None:
 
         ask([0, 1, 2], "tenant-a")
         ask([2, 1, 0], "tenant-a")
+        prompt = [{"token_ids": SYSTEM}, *({"segment": DOCS[d]} for d in (1, 2, 0)), {"token_ids": QUESTION}]
+        body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "cache_salt": "tenant-b", "audit": True}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        (own,) = reply["usage"]["audit"]
+        assert own["first_token_kl"] >= 0 and own["compared_tokens"] == 3 and 0 <= own["agreeing_tokens"] <= 3
         wait_idle(server)
         audit = httpx.get(f"{server.url}/audit", timeout=10).json()
         assert audit["audit_ratio"] == 1.0 and audit["dropped"] == 0

@@ -32,8 +32,9 @@ def _drain(llm: LLM) -> None:
 @pytest.mark.slow
 def test_documents_seen_once_cost_one_prefill_and_seen_again_get_their_contexts(default_model_dir) -> None:
     docs = _docs(24)
-    # Four cold requests of six new documents each: what a stream of novel RAG traffic looks like.
-    llm = LLM(kv_cache_gb=1.0, num_threads=1)
+    # Four cold requests of six new documents each: what a stream of novel RAG traffic looks like. The
+    # store's own work only: the trust gate's calibration audits (test_trust_gate.py) are off.
+    llm = LLM(kv_cache_gb=1.0, num_threads=1, fidelity_target=0.0)
     plain = LLM(prefix_cache="off", auto_segments=False, kv_cache_gb=1.0, num_threads=1)
     prompt_tokens = 0
     for i in range(4):

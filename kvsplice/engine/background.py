@@ -152,6 +152,22 @@ class BackgroundWork:
         """Queue an audit: a spliced request's prompt prefilled in full (engine/audit.py)."""
         self._fills.append(fill)
 
+    def audit_now(self, fill: AuditFill) -> None:
+        """Run an audit at once (a request that asked for its own), counted with the background work."""
+        work = fill.start()
+        if work is None:
+            return
+        logits = None
+        while not work.done:
+            chunk = work.next_chunk(len(fill.token_ids))
+            result = self.runner.forward(chunk)
+            self.computed_tokens += len(chunk.positions)
+            self.computed_flops += result.flops
+            logits = work.complete(chunk, result)
+        fill.finish(logits)
+        self.computed_tokens += fill.decoded_tokens
+        self.computed_flops += fill.decoded_flops
+
     def pending_kv(self) -> dict[tuple[Hashable, tuple[int, ...]], PendingKV]:
         """Where each segment whose copy is queued has its KV: in the blocks of the request that computed
         it, at the positions it had there (the first queued copy of a segment)."""
@@ -204,6 +220,8 @@ class BackgroundWork:
         if work.done:
             if isinstance(fill, AuditFill):
                 fill.finish(logits)
+                self.computed_tokens += fill.decoded_tokens
+                self.computed_flops += fill.decoded_flops
             else:
                 fill.finish()
             self._filling = None

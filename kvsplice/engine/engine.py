@@ -24,7 +24,7 @@ from kvsplice.cache.base import CacheSeq
 from kvsplice.cache.registry import make_prefix_cache
 from kvsplice.cache.segments import SegmentStore, canonical_context
 from kvsplice.config import EngineConfig
-from kvsplice.engine.audit import AuditFill, Audits, AuditSchedule
+from kvsplice.engine.audit import AuditFill, AuditResult, Audits, AuditSchedule, answered
 from kvsplice.engine.background import BackgroundWork
 from kvsplice.engine.block_manager import BlockManager
 from kvsplice.engine.output import OutputProcessor, StepOutput
@@ -177,6 +177,7 @@ class Engine:
             namespace=namespace,
             seq=CacheSeq(request_id, namespace, list(parsed.token_ids)),
             generator=generator,
+            audit_asked=options.audit,
         )
         self._requests[request_id] = request
         self.outputs.add(request_id)
@@ -360,49 +361,74 @@ class Engine:
         return [self._sampled(request, logits)]
 
     def _maybe_audit(self, request: Request, logits: torch.Tensor) -> None:
-        """Audit a spliced request where the audit schedule picks it or the trust gate still calibrates
-        its prompt's shape: a full prefill of its prompt in the background, or none where the request
-        fell back (its fallback pass was that full prefill). The gate samples the logits repair gave
-        before any fallback; the audit compares the full prefill with those the request was answered
-        from."""
-        prefill, gate = request.prefill, self.gate
-        assert prefill is not None and request.admission is not None
-        if not prefill.plan.spliced() or POLICIES[request.repair.policy].exact:
+        """Decide, once a request's prefill is done, whether it is audited: where its KV is not all a full
+        prefill's (spliced, or a prefix inherited under segment keys) and the audit schedule picks it,
+        the trust gate still calibrates its cell, or it asked. The audit runs when it finishes
+        (`_audited`): a full prefill of its prompt, or none where it fell back (its fallback pass was
+        that full prefill). The gate samples the logits repair gave before any fallback."""
+        prefill, gate, admission = request.prefill, self.gate, request.admission
+        assert prefill is not None and admission is not None
+        # A prefix hit under segment keys may hold an earlier request's spliced KV, which a fallback
+        # leaves as it is.
+        keyed = admission.approximate_from
+        exact_prefix = keyed is None or admission.prefix_hit_tokens <= keyed
+        spliced = bool(prefill.plan.spliced()) and not POLICIES[request.repair.policy].exact
+        if not spliced and exact_prefix:
+            request.audit = "exact" if request.audit_asked else None
             return
-        repair, shape, key = prefill.repair, prefill.shape, prefill.gate_key
+        repair, key = prefill.repair, prefill.gate_key
         if repair.fell_back and gate is not None and prefill.gate_margin > request.repair.fallback_margin:
             gate.fell_back(key, repair.fallback_tokens)
-        calibrating = gate is not None and gate.wants_sample(key)
-        if not self._audit_schedule.pick() and not calibrating:
+        calibrating = spliced and gate is not None and gate.wants_sample(key)
+        if not self._audit_schedule.pick() and not calibrating and not request.audit_asked:
             return
-        admission = request.admission
-        # A prefix hit under segment keys may hold an earlier request's spliced KV, which a fallback
-        # leaves as it is: only without one is the fallback's prefill a full prefill.
-        exact_prefix = (
-            admission.approximate_from is None or admission.prefix_hit_tokens <= admission.approximate_from
-        )
+        shape = prefill.shape or "inherited prefix"
         if repair.fell_back and exact_prefix:
-            spliced = repair.spliced_logits
-            assert spliced is not None
-            kl = kl_divergence(logits, spliced)
-            self.audits.record(salt_key(request.namespace), shape, 0.0, True)
             if gate is not None:
-                gate.add(key, GateSample(top_margin(spliced), kl), queued=False)
+                before = repair.spliced_logits
+                assert before is not None
+                gate.add(key, GateSample(top_margin(before), kl_divergence(logits, before)), queued=False)
+            request.audit = "exact"
             return
-        self.background.audit(
-            AuditFill(
-                self.pool,
-                self.runner.num_layers,
-                self.audits,
-                request.namespace,
-                request.prompt.token_ids,
-                logits.clone(),
-                shape,
-                gate,
-                key,
-                repair.spliced_logits,
-            )
+        request.audit = AuditFill(
+            self.runner,
+            self.audits,
+            request.namespace,
+            request.prompt.token_ids,
+            logits.clone(),
+            shape,
+            gate if spliced else None,
+            key,
+            repair.spliced_logits,
         )
+
+    def _audited(self, request: Request) -> None:
+        """Run or queue a finished request's audit (`_maybe_audit`), now that its answer is known; one
+        the request asked for runs at once, into its metrics."""
+        audit, request.audit = request.audit, None
+        if audit is None:
+            return
+        if request.finish_reason == "abort":
+            if isinstance(audit, AuditFill):
+                audit.abandon()
+            return
+        answer = answered(request.output_ids, request.params.greedy)
+        if isinstance(audit, AuditFill):
+            audit.answer = answer
+            if not request.audit_asked:
+                self.background.audit(audit)
+                return
+            self.background.audit_now(audit)
+            request.metrics.audit = audit.result
+            return
+        compared = None if answer is None else len(answer)
+        # The answer was a full prefill's (and its greedy decoding over exact KV): nothing to compute.
+        result = AuditResult(0.0, True, compared, compared)
+        assert request.prefill is not None
+        if request.prefill.plan.spliced():
+            self.audits.record(salt_key(request.namespace), request.prefill.shape, result)
+        if request.audit_asked:
+            request.metrics.audit = result
 
     def _store_missed(self, request: Request, prefill: Prefill) -> None:
         """Queue the store work for the segments the prefill missed; none of it runs before the first
@@ -441,6 +467,7 @@ class Engine:
     def _finish(self, request: Request) -> RequestOutput:
         if request.status is not Status.FINISHED:
             self.scheduler.remove(request)
+        self._audited(request)
         if request.prefill is not None and not request.prefill.work.done:
             # Aborted mid-prefill: nothing will be stored from the earlier prompts' blocks it held.
             for b in request.prefill.borrowed:

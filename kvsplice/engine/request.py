@@ -6,10 +6,12 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Literal
 
 import torch
 
 from kvsplice.cache.base import CacheSeq
+from kvsplice.engine.audit import AuditFill
 from kvsplice.options import RepairSettings
 from kvsplice.outputs import RequestMetrics, RequestOutput
 from kvsplice.prompt import ParsedPrompt
@@ -59,6 +61,10 @@ class Request:
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     first_logits: torch.Tensor | None = None
+    # The request asked for its own audit (RequestOptions.audit); the audit decided for it once its
+    # prefill is done, run when it finishes ("exact": its KV was a full prefill's, nothing to run).
+    audit_asked: bool = False
+    audit: AuditFill | Literal["exact"] | None = None
     arrival: float = field(default_factory=time.perf_counter)
 
     @property

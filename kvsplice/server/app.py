@@ -109,7 +109,8 @@ class OpenAIServer:
 
     async def audit(self, request: Request) -> JSONResponse:
         """The live audit so far: per tenant salt and prompt shape, how many spliced requests were also
-        prefilled in full, how often the first token agreed, and the first token's KL; and per shape the
+        prefilled in full, how often the first token agreed, the first token's KL and how much of greedy
+        answers agreed; and per cell the
         trust gate's samples, the margin below which it falls back (null: calibrating) and the cost."""
         self._authorize(request)
         stats = self.engine.stats
@@ -121,6 +122,10 @@ class OpenAIServer:
                 "first_token_agreement": c.first_token_agreement,
                 "kl_mean": c.kl_mean,
                 "within_kl_0.05": c.kl_buckets[KL_BUCKETS.index(0.05)] / c.requests,
+                # Greedy requests: leading answer tokens the full prefill's greedy decoding gives too.
+                "continuations": c.continuations,
+                "agreeing_tokens_mean": c.agreeing_tokens / c.continuations if c.continuations else None,
+                "same_continuation": c.same_continuations / c.continuations if c.continuations else None,
             }
             for c in stats.audits
         ]

@@ -243,10 +243,26 @@ def _audit_metrics(model_name: str, s: EngineStats) -> Iterator[Metric]:
         "KL(full prefill || spliced) of the first token's distribution, in nats",
         labels=labels,
     )
+    continuations = CounterMetricFamily(
+        "kvsplice:audit_continuations", "Audited greedy requests whose answers were compared", labels=labels
+    )
+    agreeing = CounterMetricFamily(
+        "kvsplice:audit_agreeing_tokens",
+        "Leading answer tokens of audited greedy requests the full prefill's greedy decoding gives too",
+        labels=labels,
+    )
+    same = CounterMetricFamily(
+        "kvsplice:audit_same_continuations",
+        "Audited greedy requests whose compared answer tokens all agree",
+        labels=labels,
+    )
     for cell in s.audits:
         values = [model_name, cell.salt, cell.shape]
         requests.add_metric(values, cell.requests)
         agreements.add_metric(values, cell.agreements)
+        continuations.add_metric(values, cell.continuations)
+        agreeing.add_metric(values, cell.agreeing_tokens)
+        same.add_metric(values, cell.same_continuations)
         buckets = [
             ("+Inf" if math.isinf(b) else str(b), n) for b, n in zip(KL_BUCKETS, cell.kl_buckets, strict=True)
         ]
@@ -254,6 +270,9 @@ def _audit_metrics(model_name: str, s: EngineStats) -> Iterator[Metric]:
     yield requests
     yield agreements
     yield kl
+    yield continuations
+    yield agreeing
+    yield same
     dropped = CounterMetricFamily(
         "kvsplice:audit_dropped",
         "Audits not run: the free KV blocks did not hold the prompt",

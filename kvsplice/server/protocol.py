@@ -6,6 +6,7 @@ refused with a 400 rather than silently ignored; fields nobody defines are ignor
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,6 +55,8 @@ class _Common(BaseModel):
     repair: str | None = None
     recompute_ratio: float | None = None
     repair_fallback_margin: float | None = None
+    # Prefill in full as well before answering, and say in usage how far the answer was from it.
+    audit: bool = False
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
@@ -92,6 +95,7 @@ class _Common(BaseModel):
             recompute_ratio=self.recompute_ratio,
             repair_fallback_margin=self.repair_fallback_margin,
             cache_salt=self.cache_salt,
+            audit=self.audit,
         )
 
     @property
@@ -150,7 +154,7 @@ def usage(metrics: list[RequestMetrics]) -> dict[str, Any]:
     prefix = sum(m.prefix_hit_tokens for m in metrics)
     segment = sum(m.segment_hit_tokens for m in metrics)
     discovered = sum(m.discovered_hit_tokens for m in metrics)
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
@@ -163,6 +167,11 @@ def usage(metrics: list[RequestMetrics]) -> dict[str, Any]:
         "repair_fallbacks": sum(m.repair_fallback for m in metrics),
         "store_hit_tokens": sum(sum(m.store_hit_tokens.values()) for m in metrics),
     }
+    audits = [m.audit for m in metrics if m.audit is not None]
+    if audits:
+        # Asked for (`"audit": true`): per prompt, how far the answer was from a full prefill's.
+        body["audit"] = [dataclasses.asdict(a) for a in audits]
+    return body
 
 
 def finish_reason(reason: str | None) -> str | None:
