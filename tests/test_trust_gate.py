@@ -154,3 +154,39 @@ def test_a_shape_within_the_target_is_spliced_after_calibration(model_dir: Path)
     assert cell.threshold == 0.0 and cell.fallbacks == 0
     # Calibration audits stop once the shape has its samples (audit_ratio 0: no scheduled ones).
     assert cell.samples == MIN_SAMPLES
+
+
+def test_saved_samples_calibrate_a_new_gate_and_a_bad_file_is_ignored(tmp_path: Path) -> None:
+    gate = TrustGate(0.05)
+    for i in range(MIN_SAMPLES):
+        gate.add("a", GateSample(0.1 * i, 0.2 if i < 4 else 0.0), queued=False)
+    path = tmp_path / "gate.json"
+    gate.save(path)
+    again = TrustGate(0.05)
+    assert again.load(path) == MIN_SAMPLES
+    assert again.summary() == gate.summary() and again.margin("a") == gate.margin("a") > 0
+    path.write_text('{"version": 1, "cells": {"a": [[0.5, -1.0]]}}')
+    fresh = TrustGate(0.05)
+    assert fresh.load(path) == 0 and fresh.summary() == (), "a negative KL is no sample: nothing is taken"
+    path.write_text("{not json")
+    assert TrustGate(0.05).load(path) == 0
+
+
+def test_a_restarted_engine_keeps_its_calibration_beside_the_stored_segments(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    store = {"store_dir": str(tmp_path / "store")}
+    first = LLM(model=str(model_dir), fidelity_target=1e-9, audit_ratio=0.0, store=store, **SETTINGS)
+    _ask(first, _reordered(0), UNREPAIRED)
+    for i in range(MIN_SAMPLES):
+        _ask(first, _reordered(i + 1), UNREPAIRED)
+    (cell,) = first.engine.stats().gate
+    assert cell.threshold == math.inf
+    first.close()
+    restarted = LLM(model=str(model_dir), fidelity_target=1e-9, audit_ratio=0.0, store=store, **SETTINGS)
+    (kept,) = restarted.engine.stats().gate
+    assert (kept.key, kept.samples, kept.threshold) == (cell.key, MIN_SAMPLES, math.inf)
+    _ask(restarted, _reordered(0), UNREPAIRED)  # its documents, from the disk tier or computed
+    out = _ask(restarted, _reordered(MIN_SAMPLES + 1), UNREPAIRED)
+    assert out.metrics.segment_hit_tokens > 0 and out.metrics.repair_fallback, "calibrated at start"
+    restarted.close()

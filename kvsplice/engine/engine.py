@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Hashable, Mapping
+from pathlib import Path
 
 import torch
 
@@ -92,6 +93,13 @@ class Engine:
             store = TieredStore.from_config(config.store, fingerprint)
             self.lower = LowerTiers(store, self.segment_store, self.pool)
         self.gate = TrustGate(config.fidelity_target) if config.fidelity_target > 0 else None
+        # With a disk tier, the gate's samples are kept beside the segments, per model and KV format.
+        self._gate_file: Path | None = None
+        if self.gate is not None and self.lower is not None and config.store and config.store.store_dir:
+            digest = self.lower.store.fingerprint.digest.hex()[:16]
+            self._gate_file = Path(config.store.store_dir) / f"gate-{digest}.json"
+            if self._gate_file.exists():
+                self.gate.load(self._gate_file)
         self.reuse = ReusePath(
             self.runner, self.pool, self.segment_store, self.prefix_cache, finder, self.lower, self.gate
         )
@@ -277,6 +285,8 @@ class Engine:
             return
         self._closed = True
         self.background.copy()
+        if self.gate is not None and self._gate_file is not None:
+            self.gate.save(self._gate_file)
         if self.lower is not None:
             self.lower.close()
         if self.events is not None:

@@ -13,17 +13,25 @@ cell where splicing cannot be trusted gets a threshold above every margin: all i
 
 A cell with fewer than MIN_SAMPLES samples is calibrating: its requests are spliced and every one of
 them is audited in the background until the samples are in, so the first requests of a cell are served
-as fast as the rest and paid for in background work (counted with it). The gate is plain Python.
+as fast as the rest and paid for in background work (counted with it). With a disk tier the samples
+outlive the engine: written beside the stored segments at close, read at the next start of the same
+model (`save`, `load`), so a restarted engine does not calibrate again. The gate is plain Python.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvsplice.plan import Plan
+
+log = logging.getLogger(__name__)
 
 # Samples a cell needs before its threshold is read from them: fewer give no usable standard error.
 MIN_SAMPLES = 10
@@ -155,3 +163,30 @@ class TrustGate:
             )
             for key, c in sorted(self._cells.items())
         )
+
+    def save(self, path: Path) -> None:
+        """Write every cell's samples (atomically: a reader sees the old file or the new one)."""
+        cells = {key: [[s.margin, s.kl] for s in c.samples] for key, c in self._cells.items() if c.samples}
+        temp = path.with_name(path.name + ".part")
+        temp.write_text(json.dumps({"version": 1, "cells": cells}))
+        os.replace(temp, path)
+
+    def load(self, path: Path) -> int:
+        """Take the samples a saved gate wrote, before any of this engine's; returns how many. A file that
+        cannot be read is logged and ignored (the cells calibrate again), never trusted in part."""
+        try:
+            data = json.loads(path.read_text())
+            assert data["version"] == 1
+            cells = {
+                str(key): [GateSample(float(m), float(k)) for m, k in samples]
+                for key, samples in data["cells"].items()
+            }
+            assert all(s.margin >= 0 and s.kl >= 0 for samples in cells.values() for s in samples)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+            log.warning("trust gate samples in %s not used (%s): its cells calibrate again", path, e)
+            return 0
+        assert not self._cells, "samples are loaded into a new gate"
+        for key, samples in cells.items():
+            for sample in samples:
+                self.add(key, sample, queued=False)
+        return sum(len(samples) for samples in cells.values())
