@@ -217,7 +217,7 @@ async def run_cell(
 
 
 async def calibrate(
-    servers: dict[str, _Server], prompts: list[TrafficRequest], max_tokens: int, baseline: str = "radix"
+    servers: dict[str, _Server], prompts: list[TrafficRequest], max_tokens: int, baseline: str
 ) -> Calibration:
     """Idle requests of new passages, each under a salt of its own, the systems taking turns; the first
     per server is a warm-up (the first request after start pays one-time costs). Capacity and SLO are
