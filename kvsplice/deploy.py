@@ -27,8 +27,8 @@ import httpx
 from kvsplice.bench.server_process import Served, free_port, redis_server, serve_process, stop
 from kvsplice.errors import ConfigError
 
-# vllm-router's policies that need nothing from the workers but HTTP (kv_aware also needs every
-# replica's KV event endpoint and the model's tokenizer in the router: not wired here, docs/routing.md).
+# vllm-router's policies that need nothing from the workers but HTTP (kv_aware also needs a render
+# endpoint and KV events encoded as maps, which kvsplice does not serve: docs/routing.md).
 POLICIES = ("round_robin", "cache_aware", "power_of_two", "random", "consistent_hash")
 # How often the router checks a worker's /health (s), and after how many failures it stops sending
 # to it: a killed replica leaves rotation within about a second; until then the router's retries

@@ -43,7 +43,7 @@ def test_report_gives_goodput_against_one_replica_and_the_share_loaded_from_redi
     text = report(
         TrafficResult("kvsplice bench router", MachineInfo.collect(), config, calibration, [mix], cells)
     )
-    assert "2x1-rr = 2 replicas of one thread, round_robin" in text and "SLO: TTFT <= 3.00 s" in text
+    assert "2x1-rr = 2 replicas of 1 thread, round_robin" in text and "SLO: TTFT <= 3.00 s" in text
     rows = {
         line.split(" | ")[2]: line.split(" | ") for line in text.splitlines() if line.startswith("| popular")
     }

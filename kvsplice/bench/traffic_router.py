@@ -119,10 +119,9 @@ def report(result: TrafficResult) -> str:
 
 
 def _describe(layout: Layout) -> str:
-    replicas = "one replica" if layout.replicas == 1 else f"{layout.replicas} replicas"
-    threads = "one thread" if layout.threads == 1 else f"{layout.threads} threads"
-    policy = "" if layout.replicas == 1 else f", {layout.policy}"
-    return f"{replicas} of {threads}{policy}"
+    replicas = f"{layout.replicas} replica{'s' if layout.replicas > 1 else ''}"
+    threads = f"{layout.threads} thread{'s' if layout.threads > 1 else ''}"
+    return f"{replicas} of {threads}" + (f", {layout.policy}" if layout.replicas > 1 else "")
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[TrafficConfig, tuple[str, ...]]:
