@@ -1,4 +1,4 @@
-"""`kvsplice` command line: generate (streaming to the terminal), bench, serve."""
+"""`kvsplice` command line: generate (streaming to the terminal), bench, serve, deploy."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from kvsplice.bench.cli import add_bench_command
 from kvsplice.config import EngineConfig
+from kvsplice.deploy import add_deploy_command
 from kvsplice.errors import KvspliceError
 from kvsplice.sampling import SamplingParams
 from kvsplice.server.command import add_serve_command
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_generate)
     add_bench_command(commands)
     add_serve_command(commands)
+    add_deploy_command(commands)
     return parser
 
 

@@ -24,6 +24,8 @@ WORKLOAD_HELP = {
     "first, middle or last; accuracy with confidence intervals by setting and position",
     "traffic": "real servers (splice, radix, hash) under open-loop Poisson load of plain RAG chat requests: "
     "TTFT, throughput, goodput, compute with background work, reuse (kvsplice/bench/traffic.py)",
+    "router": "traffic's load on replicas sharing Redis behind vllm-router: one replica of one or two "
+    "threads, two of one thread, round robin and cache_aware (kvsplice/bench/traffic_router.py)",
 }
 
 
@@ -105,6 +107,9 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
     )
     traffic.add_argument("--mixes", nargs="+", help="popular, novel (default: both)")
     traffic.add_argument(
+        "--deployments", nargs="+", help="router: 1x1, 1x2, 2x1-rr, 2x1-cache (default: all; 1x1 always)"
+    )
+    traffic.add_argument(
         "--rates",
         type=float,
         nargs="+",
@@ -121,7 +126,7 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         default=None,
-        help="output directory (default: out/bench/WORKLOAD; traffic: bench/results/traffic)",
+        help="output directory (default: out/bench/WORKLOAD; traffic, router: bench/results/WORKLOAD)",
     )
     run.add_argument("--continuation", type=int, default=16, help="greedy tokens compared per request")
     run.add_argument(
@@ -144,7 +149,7 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    if args.workload == "traffic":
+    if args.workload in ("traffic", "router"):
         _traffic(args)
         return
     from kvsplice.bench.harness import BenchConfig, run_bench
@@ -193,11 +198,20 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _traffic(args: argparse.Namespace) -> None:
-    """traffic drives `kvsplice serve` processes rather than in-process engines: a module of its own."""
-    from kvsplice.bench import traffic
+    """traffic and router drive `kvsplice serve` processes rather than in-process engines: modules of
+    their own."""
+    from kvsplice.bench import traffic, traffic_router
 
     try:
-        config = traffic.config_from_args(args)
+        if args.workload == "router":
+            config, layouts = traffic_router.config_from_args(args)
+        elif args.deployments:
+            raise ValueError("--deployments is for bench router")
+        else:
+            config = traffic.config_from_args(args)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from err
-    traffic.main(config, args.out)
+    if args.workload == "router":
+        traffic_router.main(config, layouts, args.out)
+    else:
+        traffic.main(config, args.out)

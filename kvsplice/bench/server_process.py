@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,10 +23,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class Served:
+    """A running `kvsplice serve` process and its base URL."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+
+    def kill(self) -> None:
+        """Stop it the hard way (SIGKILL), as a crash would: nothing is flushed, requests are cut."""
+        self.process.kill()
+        self.process.wait()
+
+
 @contextlib.contextmanager
-def serve(flags: list[str], startup_s: float = 300.0) -> Iterator[str]:
-    """Start `kvsplice serve <flags>` on a free port, wait until /health answers, yield its base
-    URL, and stop it on exit. Raises if the server exits or does not answer within `startup_s`."""
+def serve_process(flags: list[str], startup_s: float = 300.0) -> Iterator[Served]:
+    """Start `kvsplice serve <flags>` on a free port, wait until /health answers, yield it, and stop it
+    on exit (if it still runs). Raises if the server exits or does not answer within `startup_s`."""
     port = free_port()
     command = [sys.executable, "-m", "kvsplice.cli", "serve", "--port", str(port), "--log-level", "warning"]
     process = subprocess.Popen([*command, *flags])
@@ -38,14 +52,28 @@ def serve(flags: list[str], startup_s: float = 300.0) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start in {startup_s:.0f} s")
             time.sleep(0.5)
-        yield url
+        yield Served(url, process)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, timeout_s=60)
+
+
+@contextlib.contextmanager
+def serve(flags: list[str], startup_s: float = 300.0) -> Iterator[str]:
+    """`serve_process`, yielding only the base URL."""
+    with serve_process(flags, startup_s) as served:
+        yield served.url
+
+
+def stop(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM (a server writes what it owes the tiers), SIGKILL if it has not exited in `timeout_s`."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _healthy(url: str) -> bool:

@@ -33,6 +33,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,18 +136,31 @@ def fidelity_sample(n: int, rng: random.Random) -> list[int]:
     return sorted(rng.sample(later, min(FIDELITY_SAMPLES, len(later))))
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a system answers (one server, or a router in front of replicas) and the /metrics its work
+    is counted from (every replica's, summed)."""
+
+    url: str
+    metrics_urls: tuple[str, ...]
+
+
 @dataclass
 class _Server:
     url: str
     client: openai.AsyncOpenAI
     model: str
     http: httpx.AsyncClient
+    metrics_urls: tuple[str, ...]
 
     async def idle_metrics(self) -> dict[str, float]:
-        """/metrics once nothing runs, waits or is queued as background work."""
+        """/metrics, summed over the replicas, once nothing runs, waits or is queued as background work."""
         deadline = time.monotonic() + IDLE_TIMEOUT_S
         while True:
-            samples = parse_metrics((await self.http.get(f"{self.url}/metrics")).text)
+            samples: dict[str, float] = {}
+            for url in self.metrics_urls:
+                for name, value in parse_metrics((await self.http.get(f"{url}/metrics")).text).items():
+                    samples[name] = samples.get(name, 0.0) + value
             if is_idle(samples):
                 return samples
             if time.monotonic() > deadline:
@@ -203,10 +217,11 @@ async def run_cell(
 
 
 async def calibrate(
-    servers: dict[str, _Server], prompts: list[TrafficRequest], max_tokens: int
+    servers: dict[str, _Server], prompts: list[TrafficRequest], max_tokens: int, baseline: str
 ) -> Calibration:
     """Idle requests of new passages, each under a salt of its own, the systems taking turns; the first
-    per server is a warm-up (the first request after start pays one-time costs)."""
+    per server is a warm-up (the first request after start pays one-time costs). Capacity and SLO are
+    the `baseline` system's."""
     ttft: dict[str, list[float]] = {name: [] for name in servers}
     e2e: dict[str, list[float]] = {name: [] for name in servers}
     tokens = []
@@ -226,22 +241,22 @@ async def calibrate(
         prompt_tokens=statistics.mean(tokens),
         ttft_s=ttft_s,
         e2e_s=e2e_s,
-        capacity_per_s=1.0 / e2e_s["radix"],
+        capacity_per_s=1.0 / e2e_s[baseline],
         slo_factor=SLO_FACTOR,
-        slo_s=SLO_FACTOR * ttft_s["radix"],
+        slo_s=SLO_FACTOR * ttft_s[baseline],
     )
 
 
 async def _drive(
-    urls: dict[str, str], config: TrafficConfig, workloads: dict[str, list[TrafficRequest]],
-    calibration_prompts: list[TrafficRequest],
+    endpoints: dict[str, Endpoint], config: TrafficConfig, workloads: dict[str, list[TrafficRequest]],
+    calibration_prompts: list[TrafficRequest], baseline: str, reference: str,
 ) -> tuple[Calibration, list[Cell]]:  # fmt: skip
     servers = {}
-    for name, url in urls.items():
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
+    for name, end in endpoints.items():
+        client = openai.AsyncOpenAI(base_url=f"{end.url}/v1", api_key="none", max_retries=0, timeout=3600)
         model = (await client.models.list()).data[0].id
-        servers[name] = _Server(url, client, model, httpx.AsyncClient(timeout=60))
-    calibration = await calibrate(servers, calibration_prompts, config.max_tokens)
+        servers[name] = _Server(end.url, client, model, httpx.AsyncClient(timeout=60), end.metrics_urls)
+    calibration = await calibrate(servers, calibration_prompts, config.max_tokens, baseline)
     loads: tuple[float | None, ...] = (None,) * len(config.rates) if config.rates else RATE_MULTIPLIERS
     rates = config.rates or tuple(m * calibration.capacity_per_s for m in RATE_MULTIPLIERS)
     _progress(f"calibrated: capacity {calibration.capacity_per_s:.3f} requests/s, SLO TTFT "
@@ -260,16 +275,16 @@ async def _drive(
                 group.append(cell)
                 _progress(f"{mix} {rate:.3f} req/s {system}: {len(requests)} requests in {cell.wall_s:.0f} s")
             turn += 1
-            # A full prefill of each sampled prompt: the hash server under a salt nothing else used.
-            reference = {}
+            # A full prefill of each sampled prompt: the reference system under a salt nothing else used.
+            expected = {}
             for index in fidelity_sample(len(requests), rng):
                 ref = await send(
-                    servers["hash"], requests[index], f"{salt}-reference-{index}", config.max_tokens
+                    servers[reference], requests[index], f"{salt}-reference-{index}", config.max_tokens
                 )
                 if ref.error is None:
-                    reference[index] = ref.token_ids
+                    expected[index] = ref.token_ids
             for cell in group:
-                cell.agreement = agreement(reference, cell.sent)
+                cell.agreement = agreement(expected, cell.sent)
             cells += group
     for server in servers.values():
         await server.http.aclose()
@@ -279,6 +294,24 @@ async def _drive(
 
 def run_traffic(config: TrafficConfig) -> TrafficResult:
     """Start the three servers, calibrate, run every mix at every rate on every system."""
+
+    def start(stack: contextlib.ExitStack) -> dict[str, Endpoint]:
+        urls = {
+            name: stack.enter_context(serve([*config.server_flags, *flags]))
+            for name, flags in SYSTEMS.items()
+        }
+        return {name: Endpoint(url, (url,)) for name, url in urls.items()}
+
+    return measure(config, start, baseline="radix", reference="hash")
+
+
+def measure(
+    config: TrafficConfig, start: Callable[[contextlib.ExitStack], dict[str, Endpoint]], baseline: str,
+    reference: str,
+) -> TrafficResult:  # fmt: skip
+    """Build the workloads, start the systems (`start` enters them into the stack, which stops them),
+    calibrate on `baseline`, run every mix at every rate on every system, and sample fidelity against a
+    full prefill on `reference` (under a fresh salt)."""
     mixes = parse_mixes(list(config.mixes))
     source = corpora.load(config.source)
     workloads = {
@@ -292,11 +325,8 @@ def run_traffic(config: TrafficConfig) -> TrafficResult:
     machine = MachineInfo.collect()
     started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
     with contextlib.ExitStack() as stack:
-        urls = {
-            name: stack.enter_context(serve([*config.server_flags, *flags]))
-            for name, flags in SYSTEMS.items()
-        }
-        calibration, cells = asyncio.run(_drive(urls, config, workloads, prompts))
+        endpoints = start(stack)
+        calibration, cells = asyncio.run(_drive(endpoints, config, workloads, prompts, baseline, reference))
     notes = _notes(cells, source.name)
     return TrafficResult(
         command=config.command,

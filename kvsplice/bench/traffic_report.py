@@ -28,6 +28,8 @@ COUNTERS = {
     "computed_prompt_tokens": "kvsplice:computed_prompt_tokens_total",
     "recomputed_tokens": "kvsplice:recomputed_tokens_total",
 }
+# Counters labelled by tier, absent from /metrics until a tier below the pool first serves a hit.
+TIER_COUNTERS = {"store_hit_tokens": "kvsplice:store_hit_tokens_total"}
 # Gauges that are all 0 once a server is idle: nothing running, waiting, or queued in the background.
 IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "kvsplice:background_jobs_queued")
 
@@ -61,10 +63,14 @@ class Compute:
     discovered_hit_tokens: float
     computed_prompt_tokens: float
     recomputed_tokens: float
+    # Of the reused tokens, those loaded from a tier below the pool (on replicas sharing Redis: what
+    # another replica computed).
+    store_hit_tokens: float = 0.0
 
     @staticmethod
     def delta(before: dict[str, float], after: dict[str, float]) -> Compute:
         values = {name: after[metric] - before[metric] for name, metric in COUNTERS.items()}
+        values |= {name: after.get(m, 0.0) - before.get(m, 0.0) for name, m in TIER_COUNTERS.items()}
         assert all(v >= 0 for v in values.values()), f"a counter went down: {values}"
         return Compute(**values)
 
@@ -217,16 +223,35 @@ def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "-"
 
 
-def render(result: TrafficResult) -> str:
-    cal, m, cfg = result.calibration, result.machine, result.config
-    lines = [
-        "# Sustained traffic: splice, radix and hash under open-loop Poisson load",
-        "",
+def run_lines(result: TrafficResult) -> list[str]:
+    """The command and the machine, as a report's first lines say them."""
+    m = result.machine
+    return [
         f"Command: `{result.command or '(Python API)'}`",
         f"Machine: {m.cpu}, {m.cores} CPUs, torch {m.torch_version}; git {m.git_commit}"
         + (f" (modified: {', '.join(m.git_modified)})" if m.git_modified else "")
         + f"; load average at the start {m.load_start} and the end {m.load_end}. "
         f"Started {result.started}, took {result.wall_s / 60:.1f} min.",
+    ]
+
+
+def render(result: TrafficResult, setup: list[str] | None = None, baseline: str = "radix") -> str:
+    """The report: `setup` (the title and how the systems were run; default: bench traffic's three
+    servers), then one table per mix with compute as a ratio to the `baseline` system's."""
+    lines = _traffic_setup(result) if setup is None else setup
+    for mix in result.mixes:
+        lines += _mix_table(result, mix, baseline)
+    if result.notes:
+        lines += ["", "Notes:", *(f"- {note}" for note in result.notes)]
+    return "\n".join(lines) + "\n"
+
+
+def _traffic_setup(result: TrafficResult) -> list[str]:
+    cal, cfg = result.calibration, result.config
+    return [
+        "# Sustained traffic: splice, radix and hash under open-loop Poisson load",
+        "",
+        *run_lines(result),
         f"Servers: `kvsplice serve` {' '.join(cfg['server_flags']) or '(defaults)'}, one per system, "
         "all up at once, one cell at a time (the systems in a rotated order per rate). "
         "splice = `--prefix-cache radix` (auto_segments on), radix = `--prefix-cache radix "
@@ -247,44 +272,46 @@ def render(result: TrafficResult) -> str:
         "(the hash server under a fresh salt), greedy tokens compared; KL is not measured (the server "
         "refuses logprobs).",
     ]
-    for mix in result.mixes:
-        lines += [
-            "",
-            f"## {mix.name}: {mix.description}",
-            "",
-            f"Pool {mix.pool} passages, Zipf exponent {mix.zipf:g}: {mix.first_seen_share:.0%} of the "
-            f"passage slots of a cell's {mix.requests} requests carry a passage seen for the first time.",
-            "",
-            "| rate (req/s) | load | system | TTFT p50 | TTFT p99 | req/s | out tok/s | goodput (req/s) "
-            "| within SLO | GFLOP/request | background | compute vs radix | reused | first token = ref "
-            "| all tokens = ref | errors |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        cells = [c for c in result.cells if c.mix == mix.name]
-        for rate in sorted({c.rate for c in cells}):
-            row_cells = sorted((c for c in cells if c.rate == rate), key=lambda c: c.system)
-            summaries = {c.system: summarize(c, cal.slo_s) for c in row_cells}
-            radix = summaries.get("radix")
-            for c in row_cells:
-                s, a = summaries[c.system], c.agreement
-                lines.append(
-                    f"| {rate:.3f} | {'-' if c.load is None else f'{c.load:g}x'} | {c.system} "
-                    f"| {_s(s.ttft_p50_s)} | {_s(s.ttft_p99_s)} | {s.requests_per_s:.3f} "
-                    f"| {s.output_tokens_per_s:.2f} | {s.goodput_per_s:.3f} | {s.within_slo:.0%} "
-                    f"| {s.gflop_per_request:.1f} | {s.background_share:.0%} "
-                    f"| {_ratio(s.gflop_per_request, radix.gflop_per_request) if radix else '-'} "
-                    f"| {s.reuse_share:.0%} "
-                    f"| {f'{a.first_token}/{a.samples}' if a else '-'} "
-                    f"| {f'{a.all_tokens}/{a.samples}' if a else '-'} | {s.errors} |"
-                )
-    if result.notes:
-        lines += ["", "Notes:", *(f"- {note}" for note in result.notes)]
-    return "\n".join(lines) + "\n"
 
 
-def write(result: TrafficResult, out: Path) -> str:
+def _mix_table(result: TrafficResult, mix: MixInfo, baseline: str) -> list[str]:
+    cal = result.calibration
+    lines = [
+        "",
+        f"## {mix.name}: {mix.description}",
+        "",
+        f"Pool {mix.pool} passages, Zipf exponent {mix.zipf:g}: {mix.first_seen_share:.0%} of the "
+        f"passage slots of a cell's {mix.requests} requests carry a passage seen for the first time.",
+        "",
+        "| rate (req/s) | load | system | TTFT p50 | TTFT p99 | req/s | out tok/s | goodput (req/s) "
+        f"| within SLO | GFLOP/request | background | compute vs {baseline} | reused | first token = ref "
+        "| all tokens = ref | errors |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    cells = [c for c in result.cells if c.mix == mix.name]
+    for rate in sorted({c.rate for c in cells}):
+        row_cells = sorted((c for c in cells if c.rate == rate), key=lambda c: c.system)
+        summaries = {c.system: summarize(c, cal.slo_s) for c in row_cells}
+        base = summaries.get(baseline)
+        for c in row_cells:
+            s, a = summaries[c.system], c.agreement
+            lines.append(
+                f"| {rate:.3f} | {'-' if c.load is None else f'{c.load:g}x'} | {c.system} "
+                f"| {_s(s.ttft_p50_s)} | {_s(s.ttft_p99_s)} | {s.requests_per_s:.3f} "
+                f"| {s.output_tokens_per_s:.2f} | {s.goodput_per_s:.3f} | {s.within_slo:.0%} "
+                f"| {s.gflop_per_request:.1f} | {s.background_share:.0%} "
+                f"| {_ratio(s.gflop_per_request, base.gflop_per_request) if base else '-'} "
+                f"| {s.reuse_share:.0%} "
+                f"| {f'{a.first_token}/{a.samples}' if a else '-'} "
+                f"| {f'{a.all_tokens}/{a.samples}' if a else '-'} | {s.errors} |"
+            )
+    return lines
+
+
+def write(result: TrafficResult, out: Path, report: str | None = None) -> str:
+    """DIR/report.md (`report`, default: render(result)) and DIR/results.json; returns the report."""
     out.mkdir(parents=True, exist_ok=True)
-    report = render(result)
+    report = render(result) if report is None else report
     (out / "report.md").write_text(report)
     (out / "results.json").write_text(result.to_json() + "\n")
     return report
