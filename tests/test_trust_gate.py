@@ -69,9 +69,15 @@ def test_a_shape_calibrates_then_falls_back_only_where_its_samples_say() -> None
         # Near-ties far from the full prefill; sure answers close to it.
         gate.add("a", GateSample(0.01 * i, 0.5) if i < 3 else GateSample(0.5 + 0.01 * i, 0.001), queued=True)
     assert gate.margin("a") == pytest.approx(0.53), "the near-ties fall back, the sure answers are spliced"
+    # The cell splices 7 of its 10 samples' requests: it calibrates on until 10 of those.
+    assert gate.wants_sample("a")
+    for _ in range(3):
+        gate.add("a", GateSample(0.9, 0.001), queued=False)
+    assert not gate.wants_sample("a") and gate.margin("a") == pytest.approx(0.53)
     for _ in range(MIN_SAMPLES):
         gate.add("b", GateSample(0.9, 1.0), queued=False)
     assert gate.margin("b") == math.inf, "a shape whose sure answers are far from full is never spliced"
+    assert gate.wants_sample("b"), "where every request falls back, each is a free sample"
     for _ in range(MIN_SAMPLES):
         gate.add("c", GateSample(0.1, 0.001), queued=False)
     assert gate.margin("c") == 0.0

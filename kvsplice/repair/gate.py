@@ -11,9 +11,11 @@ full (KL 0), keeps the cell's mean KL within the target with Z standard errors t
 tuned per model: the threshold is the answer of the model's own audits on the traffic it serves, and a
 cell where splicing cannot be trusted gets a threshold above every margin: all its requests fall back.
 
-A cell with fewer than MIN_SAMPLES samples is calibrating: its requests are spliced and every one of
-them is audited in the background until the samples are in, so the first requests of a cell are served
-as fast as the rest and paid for in background work (counted with it). With a disk tier the samples
+A cell calibrates until it has MIN_SAMPLES samples of requests it splices: every request is audited
+meanwhile (a spliced one in the background, counted with the rest of that work; one that fell back is
+its own full prefill, a free sample), so every request is a sample and the samples stay a fair draw of
+the cell's traffic. Its first requests are spliced (no threshold before MIN_SAMPLES samples), served
+as fast as the rest. With a disk tier the samples
 outlive the engine: written beside the stored segments at close, read at the next start of the same
 model (`save`, `load`), so a restarted engine does not calibrate again. The gate is plain Python.
 """
@@ -121,9 +123,16 @@ class TrustGate:
         return 0.0 if c is None or c.threshold is None else c.threshold
 
     def wants_sample(self, key: str) -> bool:
-        """Whether the cell still calibrates, counting the audits already queued for it."""
+        """Whether the cell still calibrates: until MIN_SAMPLES of its samples (the audits queued for it
+        counted) are of requests it splices, those at or above its threshold. Where it splices all, that
+        is its first MIN_SAMPLES requests; where it falls back on some, the mean KL of the rest rests on
+        those it splices, so it samples on (its fallbacks are free samples); where it falls back on all,
+        every request is a free sample, and the cell can learn that it may splice again."""
         c = self._cells.get(key)
-        return c is None or len(c.samples) + c.pending < MIN_SAMPLES
+        if c is None:
+            return True
+        t = 0.0 if c.threshold is None else c.threshold
+        return sum(s.margin >= t for s in c.samples) + c.pending < MIN_SAMPLES
 
     def queued(self, key: str) -> None:
         self._cells.setdefault(key, _Cell()).pending += 1
