@@ -196,3 +196,34 @@ def test_a_restarted_engine_keeps_its_calibration_beside_the_stored_segments(
     out = _ask(restarted, _reordered(MIN_SAMPLES + 1), UNREPAIRED)
     assert out.metrics.segment_hit_tokens > 0 and out.metrics.repair_fallback, "calibrated at start"
     restarted.close()
+
+
+def test_a_fallback_recomputes_spliced_kv_its_cached_prefix_took_from_an_earlier_request(
+    model_dir: Path,
+) -> None:
+    # Documents that open alike: under segment keys a prompt opening with B hits the first tokens of an
+    # earlier prompt that opened with A, whose KV there was spliced (approximate). They lie in the hit's
+    # last, partial block (SYSTEM is 9 tokens, blocks are 8): the fallback must recompute them too.
+    a, b, c = [7, 8, *DOCS[0][2:]], [7, 8, *DOCS[1][2:]], DOCS[2]
+    settings = {**SETTINGS, "prefix_cache": "radix"}
+    llm = LLM(model=str(model_dir), fidelity_target=1e-9, audit_ratio=0.0, **settings)
+    plain = LLM(model=str(model_dir), **SETTINGS)
+    for docs in ([c, a, b], [a, c, b]):
+        _ask_docs(llm, docs)
+    # The cell's audits say its splices are far from a full prefill: every request of it falls back.
+    gate = llm.engine.gate
+    assert gate is not None
+    (cell,) = gate.summary()
+    for _ in range(MIN_SAMPLES):
+        gate.add(cell.key, GateSample(0.5, 1.0), queued=False)
+    got = _ask_docs(llm, [b, a, c])
+    assert got.metrics.prefix_hit_tokens == len(SYSTEM) + 2 and got.metrics.repair_fallback
+    want = plain.generate([[*SYSTEM, *b, *a, *c, *QUESTION]], FIRST)[0]
+    assert kl_divergence(want.first_logits, got.first_logits) < 1e-6
+
+
+def _ask_docs(llm: LLM, docs: list[list[int]]) -> Any:
+    out = llm.generate([[SYSTEM, *map(Segment, docs), QUESTION]], FIRST, UNREPAIRED)[0]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    return out

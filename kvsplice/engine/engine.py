@@ -378,10 +378,7 @@ class Engine:
         that full prefill). The gate samples the logits repair gave before any fallback."""
         prefill, gate, admission = request.prefill, self.gate, request.admission
         assert prefill is not None and admission is not None
-        # A prefix hit under segment keys may hold an earlier request's spliced KV, which a fallback
-        # leaves as it is.
-        keyed = admission.approximate_from
-        exact_prefix = keyed is None or admission.prefix_hit_tokens <= keyed
+        exact_prefix = not prefill.approximate_prefix
         spliced = bool(prefill.plan.spliced()) and not POLICIES[request.repair.policy].exact
         if not spliced and exact_prefix:
             request.audit = "exact" if request.audit_asked else None

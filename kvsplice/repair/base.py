@@ -41,6 +41,9 @@ class RepairTask:
     shift: float = 0.0
     # After the policy is done: below this first-token margin, recompute every stale token (RepairRun).
     fallback_margin: float = 0.0
+    # Prefix positions whose KV an earlier request spliced (a prefix hit under segment keys) and that
+    # lie in a block the request owns: a fallback recomputes them too, so that its result is exact.
+    inherited: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

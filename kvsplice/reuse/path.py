@@ -138,6 +138,9 @@ class Prefill:
     shape: str = ""
     gate_key: str = ""
     gate_margin: float = 0.0
+    # The cached prefix holds KV an earlier request spliced that a fallback cannot recompute (in blocks
+    # shared with the cache): even a fallback's result is then not a full prefill's.
+    approximate_prefix: bool = False
 
     @property
     def recomputed(self) -> int:
@@ -306,6 +309,16 @@ class ReusePath:
             if policy.budgeted
             else spliced
         )
+        # A prefix hit under segment keys that ends past where the keys start holds an earlier request's
+        # spliced KV there. Where all of it lies in the hit's last, partial block (copied at admission,
+        # so the request's own), a fallback can recompute it; otherwise the prefix stays approximate.
+        inherited: tuple[int, ...] = ()
+        approximate_prefix = approximate_from is not None and prefix_hit > approximate_from
+        if approximate_prefix:
+            assert approximate_from is not None
+            partial_from = prefix_hit - prefix_hit % self.pool.block_size
+            if prefix_hit % self.pool.block_size and approximate_from >= partial_from:
+                inherited, approximate_prefix = tuple(range(approximate_from, prefix_hit)), False
         run = RepairRun(
             policy,
             RepairTask(
@@ -315,6 +328,7 @@ class ReusePath:
                 self.runner.cfg,
                 self.shift,
                 max(settings.fallback_margin, gate_margin),
+                inherited,
             ),
         )
         work = PrefillWork(
@@ -338,6 +352,7 @@ class ReusePath:
             shape=shape,
             gate_key=gate_key,
             gate_margin=gate_margin,
+            approximate_prefix=approximate_prefix,
         )
 
     def _exact_lead(self, namespace: Hashable, prompt: ParsedPrompt) -> int | None:

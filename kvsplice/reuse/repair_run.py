@@ -120,7 +120,7 @@ class RepairRun:
         assert self.recomputed is not None
         if not margin or logits is None or self.fell_back or top_margin(logits) >= margin:
             return None
-        stale = self.task.plan.stale()
+        stale = [*self.task.inherited, *self.task.plan.stale()]
         if set(stale) <= set(self.recomputed):
             return None  # already exact
         self.fell_back = True
