@@ -90,6 +90,17 @@ def rag(spec: WorkloadSpec) -> Workload:
         items = rng.sample(source.items, -(-spec.pool // 5))
         per_item = -(-spec.pool // len(items))
         chosen = [p for item in items for p in item.passages[:per_item]][: spec.pool]
+        if len(chosen) < spec.pool:
+            # A question retrieved fewer passages than its share: other questions top the pool up (drawn
+            # only then, so that every other seed keeps the pool it had).
+            rest = [item for item in source.items if item not in items]
+            for item in rng.sample(rest, len(rest)):
+                if len(chosen) == spec.pool:
+                    break
+                items.append(item)
+                chosen += item.passages[: spec.pool - len(chosen)]
+        if len(chosen) < spec.pool:
+            raise ValueError(f"the {source.name} corpus has {len(chosen)} passages for a pool of {spec.pool}")
         texts = [corpora.trim(p.text, spec.doc_words) for p in chosen]
         questions = [(item.question, item.answers) for item in items]
     else:
