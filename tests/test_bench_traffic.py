@@ -242,3 +242,19 @@ def test_traffic_against_real_servers(monkeypatch) -> None:
         assert cell.compute.prompt_tokens == sum(s.prompt_tokens for s in cell.sent) > 0
         assert cell.compute.decode_flops > 0 and cell.agreement is not None and cell.agreement.samples == 1
     assert "| 1.000 | - | splice |" in render(result)
+
+
+def test_marked_requests_carry_each_passage_as_a_segment_part() -> None:
+    from kvsplice.bench import corpus as corpora
+    from kvsplice.bench.traffic_workload import MIXES, build_requests
+
+    source = corpora.load("synthetic")
+    plain = build_requests(MIXES["popular"], 5, 4, 50, 0, source)
+    marked = build_requests(MIXES["popular"], 5, 4, 50, 0, source, marked=True)
+    for p, m in zip(plain, marked, strict=True):
+        assert p.passage_ids == m.passage_ids
+        parts = m.messages[1]["content"]
+        segments = [part["text"] for part in parts if part.get("kvsplice_segment")]
+        assert len(segments) == 4
+        # The same text either way: the parts as the server joins them are the plain message.
+        assert "\n".join(part["text"] for part in parts) == p.messages[1]["content"]

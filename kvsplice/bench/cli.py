@@ -107,6 +107,11 @@ def add_bench_command(commands: argparse._SubParsersAction) -> None:
     )
     traffic.add_argument("--mixes", nargs="+", help="popular, novel (default: both)")
     traffic.add_argument(
+        "--marked",
+        action="store_true",
+        help="send each passage as a content part marked as a segment (default: plain strings)",
+    )
+    traffic.add_argument(
         "--deployments", nargs="+", help="router: 1x1, 1x2, 2x1-rr, 2x1-cache (default: all; 1x1 always)"
     )
     traffic.add_argument(

@@ -93,6 +93,8 @@ class TrafficConfig:
     max_tokens: int = 8
     seed: int = 0
     source: str = "auto"
+    # Passages marked as segments in the messages (else plain strings, found by auto_segments).
+    marked: bool = False
     # Flags every server gets (model, threads, KV pool), before its system's own.
     server_flags: tuple[str, ...] = ()
     command: str = ""
@@ -315,13 +317,15 @@ def measure(
     mixes = parse_mixes(list(config.mixes))
     source = corpora.load(config.source)
     workloads = {
-        mix.name: build_requests(mix, config.requests, config.docs, config.doc_words, config.seed, source)
+        mix.name: build_requests(
+            mix, config.requests, config.docs, config.doc_words, config.seed, source, config.marked
+        )
         for mix in mixes
     }
     # New passages for every calibration request: a pool as large as the corpus, drawn flat.
     everything = Mix("calibration", len(source.passages), 0.0, "")
     prompts = build_requests(everything, CALIBRATION_REQUESTS + 1, config.docs, config.doc_words,
-                             config.seed, source)  # fmt: skip
+                             config.seed, source, config.marked)  # fmt: skip
     machine = MachineInfo.collect()
     started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -386,6 +390,7 @@ def config_from_args(args: argparse.Namespace) -> TrafficConfig:
         doc_words=args.doc_words or TrafficConfig.doc_words,
         seed=args.seed,
         source=args.source,
+        marked=args.marked,
         server_flags=tuple(server_flags(EngineConfig.from_args(args), args.kv_cache_gb / len(SYSTEMS))),
         command=shlex.join(["kvsplice", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else "",
     )

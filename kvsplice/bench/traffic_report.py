@@ -256,7 +256,7 @@ def _traffic_setup(result: TrafficResult) -> list[str]:
         "all up at once, one cell at a time (the systems in a rotated order per rate). "
         "splice = `--prefix-cache radix` (auto_segments on), radix = `--prefix-cache radix "
         "--no-auto-segments`, hash = `--prefix-cache hash --no-auto-segments`.",
-        f"Requests: plain chat messages (no markup), {cfg['docs']} passages of at most "
+        f"Requests: chat messages ({markup(cfg)}), {cfg['docs']} passages of at most "
         f"{cfg['doc_words']} words and a question each, max_tokens={cfg['max_tokens']}, temperature 0, "
         f"streamed; {cfg['requests']} per cell, sent open-loop at Poisson arrival times; a fresh "
         "cache_salt per mix and rate, so no cell reuses another's KV.",
@@ -315,3 +315,8 @@ def write(result: TrafficResult, out: Path, report: str | None = None) -> str:
     (out / "report.md").write_text(report)
     (out / "results.json").write_text(result.to_json() + "\n")
     return report
+
+
+def markup(cfg: dict[str, Any]) -> str:
+    """How the run's messages carried their passages."""
+    return "each passage a content part marked as a segment" if cfg.get("marked") else "plain, no markup"

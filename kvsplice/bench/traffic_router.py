@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvsplice.bench import traffic
 from kvsplice.bench.traffic import Endpoint, TrafficConfig
-from kvsplice.bench.traffic_report import TrafficResult, render, run_lines, summarize, write
+from kvsplice.bench.traffic_report import TrafficResult, markup, render, run_lines, summarize, write
 from kvsplice.config import EngineConfig
 from kvsplice.deploy import deploy
 
@@ -86,9 +86,9 @@ def report(result: TrafficResult) -> str:
         "--num-threads T`, each deployment's replicas sharing a redis-server of its own, behind "
         "vllm-router: " + "; ".join(f"{n} = {_describe(LAYOUTS[n])}" for n in cfg["layouts"]) + ". All "
         "up at once, one cell at a time (in a rotated order per rate).",
-        f"Requests: bench traffic's (plain chat, {cfg['docs']} passages of at most {cfg['doc_words']} "
-        f"words and a question, max_tokens={cfg['max_tokens']}, streamed, {cfg['requests']} per cell "
-        "at Poisson arrival times, a fresh cache_salt per mix and rate).",
+        f"Requests: bench traffic's (chat, {markup(cfg)}, {cfg['docs']} passages of at most "
+        f"{cfg['doc_words']} words and a question, max_tokens={cfg['max_tokens']}, streamed, "
+        f"{cfg['requests']} per cell at Poisson arrival times, a fresh cache_salt per mix and rate).",
         f"Calibration (idle, new passages, {cal.prompt_tokens:.0f} prompt tokens, median): "
         + ", ".join(f"{s} TTFT {cal.ttft_s[s]:.2f} s / request {cal.e2e_s[s]:.2f} s" for s in cal.ttft_s)
         + f". Capacity = 1 / {BASELINE}'s request time = {cal.capacity_per_s:.3f} requests/s.",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from kvsplice.bench import corpus as corpora
 
@@ -34,7 +35,7 @@ MIXES = {
 class TrafficRequest:
     # Indices into the mix's pool, in prompt order: what first_seen_share counts.
     passage_ids: tuple[int, ...]
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
 
 
 def parse_mixes(names: list[str]) -> tuple[Mix, ...]:
@@ -58,10 +59,12 @@ def zipf_weights(pool: int, exponent: float) -> list[float]:
 
 
 def build_requests(
-    mix: Mix, n: int, k: int, doc_words: int, seed: int, source: corpora.Corpus
+    mix: Mix, n: int, k: int, doc_words: int, seed: int, source: corpora.Corpus, marked: bool = False
 ) -> list[TrafficRequest]:
     """n requests of k passages (each cut to doc_words words) from the first min(mix.pool, corpus)
-    passages of a seeded shuffle; questions from the corpus's items, or generic ones."""
+    passages of a seeded shuffle; questions from the corpus's items, or generic ones. `marked`: each
+    passage a content part marked as a segment (`kvsplice_segment`), as a client that marks them sends;
+    else one plain string, as most clients send."""
     rng = random.Random(f"{mix.name}-{seed}")
     passages = rng.sample(source.passages, min(mix.pool, len(source.passages)))
     texts = [f"{p.title}\n{corpora.trim(p.text, doc_words)}" for p in passages]
@@ -72,8 +75,17 @@ def build_requests(
     requests = []
     for _ in range(n):
         ids = zipf_draw(rng, weights, k)
-        user = "Passages:\n\n" + "\n\n".join(texts[i] for i in ids)
-        user += f"\n\nQuestion: {questions[rng.randrange(len(questions))]}"
+        question = f"\n\nQuestion: {questions[rng.randrange(len(questions))]}"
+        user: str | list[dict[str, Any]]
+        if marked:
+            # The server joins a message's parts with "\n": the prompt is the plain one's text.
+            user = [
+                {"type": "text", "text": "Passages:\n"},
+                *({"type": "text", "text": texts[i] + "\n", "kvsplice_segment": True} for i in ids),
+                {"type": "text", "text": question.lstrip()},
+            ]
+        else:
+            user = "Passages:\n\n" + "\n\n".join(texts[i] for i in ids) + question
         messages = ({"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": user})
         requests.append(TrafficRequest(tuple(ids), messages))
     return requests
