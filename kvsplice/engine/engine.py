@@ -25,7 +25,7 @@ from kvsplice.cache.base import CacheSeq
 from kvsplice.cache.registry import make_prefix_cache
 from kvsplice.cache.segments import SegmentStore, canonical_context
 from kvsplice.config import EngineConfig
-from kvsplice.engine.audit import AuditFill, AuditResult, Audits, AuditSchedule, answered
+from kvsplice.engine.auditor import Auditor
 from kvsplice.engine.background import BackgroundWork
 from kvsplice.engine.block_manager import BlockManager
 from kvsplice.engine.output import OutputProcessor, StepOutput
@@ -42,15 +42,13 @@ from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
 from kvsplice.plan import SpanKind
 from kvsplice.prompt import Prompt, parse_prompt
-from kvsplice.repair.gate import GateSample, TrustGate
-from kvsplice.repair.registry import POLICIES
+from kvsplice.repair.gate import TrustGate
 from kvsplice.reuse import segment_kv
 from kvsplice.reuse.discover import MIN_SPAN_TOKENS, SpanFinder
 from kvsplice.reuse.lower_tiers import LowerTiers, store_fingerprint
 from kvsplice.reuse.path import Prefill, ReusePath, lead_head
-from kvsplice.sampling import SamplingParams, kl_divergence, sample, top_margin
+from kvsplice.sampling import SamplingParams, sample
 from kvsplice.tiers import KVEventPublisher, TieredStore
-from kvsplice.tiers.entry import salt_key
 from kvsplice.tiers.metrics import TierStats
 from kvsplice.tiers.recorder import KVEventRecorder
 
@@ -131,8 +129,7 @@ class Engine:
         # Prompts for the span finder to index (their KV now computed), at the start of the next step.
         self._to_index: list[tuple[Hashable, tuple[int, ...]]] = []
         # Compute of requests' prefills and of decode steps, in tokens and FLOPs (Engine.stats).
-        self.audits = Audits()
-        self._audit_schedule = AuditSchedule(config.audit_ratio)
+        self.auditor = Auditor(self.runner, self.background, self.gate, config.audit_ratio)
         self._prefill_tokens = self._decode_tokens = 0
         self._closed = False
         self._prefill_flops = self._decode_flops = 0.0
@@ -234,8 +231,8 @@ class Engine:
             decode_flops=self._decode_flops,
             background_tokens=background.computed_tokens,
             background_flops=background.computed_flops,
-            audits=self.audits.summary(),
-            audits_dropped=self.audits.dropped,
+            audits=self.auditor.audits.summary(),
+            audits_dropped=self.auditor.audits.dropped,
             gate=self.gate.summary() if self.gate is not None else (),
         )
 
@@ -366,76 +363,9 @@ class Engine:
             m.store_load_s += promoted.load_s
         if request.params.return_first_logits:
             request.first_logits = logits.clone()
-        self._maybe_audit(request, logits)
+        self.auditor.prefilled(request, logits)
         self._store_missed(request, prefill)
         return [self._sampled(request, logits)]
-
-    def _maybe_audit(self, request: Request, logits: torch.Tensor) -> None:
-        """Decide, once a request's prefill is done, whether it is audited: where its KV is not all a full
-        prefill's (spliced, or a prefix inherited under segment keys) and the audit schedule picks it,
-        the trust gate still calibrates its cell, or it asked. The audit runs when it finishes
-        (`_audited`): a full prefill of its prompt, or none where it fell back (its fallback pass was
-        that full prefill). The gate samples the logits repair gave before any fallback."""
-        prefill, gate, admission = request.prefill, self.gate, request.admission
-        assert prefill is not None and admission is not None
-        exact_prefix = not prefill.approximate_prefix
-        spliced = bool(prefill.plan.spliced()) and not POLICIES[request.repair.policy].exact
-        if not spliced and exact_prefix:
-            request.audit = "exact" if request.audit_asked else None
-            return
-        repair, key = prefill.repair, prefill.gate_key
-        if repair.fell_back and gate is not None and prefill.gate_margin > request.repair.fallback_margin:
-            gate.fell_back(key, repair.fallback_tokens)
-        calibrating = spliced and gate is not None and gate.wants_sample(key)
-        if not self._audit_schedule.pick() and not calibrating and not request.audit_asked:
-            return
-        shape = prefill.shape or "inherited prefix"
-        if repair.fell_back and exact_prefix:
-            if gate is not None:
-                before = repair.spliced_logits
-                assert before is not None
-                gate.add(key, GateSample(top_margin(before), kl_divergence(logits, before)), queued=False)
-            request.audit = "exact"
-            return
-        request.audit = AuditFill(
-            self.runner,
-            self.audits,
-            request.namespace,
-            request.prompt.token_ids,
-            logits.clone(),
-            shape,
-            gate if spliced else None,
-            key,
-            repair.spliced_logits,
-        )
-
-    def _audited(self, request: Request) -> None:
-        """Run or queue a finished request's audit (`_maybe_audit`), now that its answer is known; one
-        the request asked for runs at once, into its metrics."""
-        audit, request.audit = request.audit, None
-        if audit is None:
-            return
-        if request.finish_reason == "abort":
-            if isinstance(audit, AuditFill):
-                audit.abandon()
-            return
-        answer = answered(request.output_ids, request.params.greedy)
-        if isinstance(audit, AuditFill):
-            audit.answer = answer
-            if not request.audit_asked:
-                self.background.audit(audit)
-                return
-            self.background.audit_now(audit)
-            request.metrics.audit = audit.result
-            return
-        compared = None if answer is None else len(answer)
-        # The answer was a full prefill's (and its greedy decoding over exact KV): nothing to compute.
-        result = AuditResult(0.0, True, compared, compared)
-        assert request.prefill is not None
-        if request.prefill.plan.spliced():
-            self.audits.record(salt_key(request.namespace), request.prefill.shape, result)
-        if request.audit_asked:
-            request.metrics.audit = result
 
     def _store_missed(self, request: Request, prefill: Prefill) -> None:
         """Queue the store work for the segments the prefill missed; none of it runs before the first
@@ -474,7 +404,7 @@ class Engine:
     def _finish(self, request: Request) -> RequestOutput:
         if request.status is not Status.FINISHED:
             self.scheduler.remove(request)
-        self._audited(request)
+        self.auditor.finished(request)
         if request.prefill is not None and not request.prefill.work.done:
             # Aborted mid-prefill: nothing will be stored from the earlier prompts' blocks it held.
             for b in request.prefill.borrowed:
