@@ -114,8 +114,10 @@ class RepairRun:
         margin, one more pass recomputes every stale token, with the computed ones, from the first layer.
         That gives a full prefill's KV and logits where the rest is exact: lead KV after the same head,
         a cached prefix under plain ids (a prefix hit under segment keys may hold an earlier request's
-        spliced KV, which this pass leaves as it is). A near-tie is where repair flips first tokens: the full
-        prefill is torn there too, and agreeing with it takes KV all but exact (docs/fidelity.md)."""
+        spliced KV: the pass recomputes it where it lies in the request's own last hit block,
+        `RepairTask.inherited`, and leaves it as it is in blocks shared with the cache). A near-tie is
+        where repair flips first tokens: the full prefill is torn there too, and agreeing with it takes
+        KV all but exact (docs/fidelity.md)."""
         margin = self.task.fallback_margin
         assert self.recomputed is not None
         if not margin or logits is None or self.fell_back or top_margin(logits) >= margin:

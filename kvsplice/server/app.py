@@ -110,8 +110,8 @@ class OpenAIServer:
     async def audit(self, request: Request) -> JSONResponse:
         """The live audit so far: per tenant salt and prompt shape, how many spliced requests were also
         prefilled in full, how often the first token agreed, the first token's KL and how much of greedy
-        answers agreed; and per cell the
-        trust gate's samples, the margin below which it falls back (null: calibrating) and the cost."""
+        answers agreed; and per cell the trust gate's samples, the margin below which it falls back
+        (null: calibrating) and the cost."""
         self._authorize(request)
         stats = self.engine.stats
         cells = [
