@@ -38,23 +38,23 @@ class Auditor:
 
     def prefilled(self, request: Request, logits: torch.Tensor) -> None:
         """Decide the request's audit from its prefill and first-token logits [vocab]."""
-        prefill, gate = request.prefill, self.gate
+        prefill = request.prefill
         assert prefill is not None
         exact_prefix = not prefill.approximate_prefix
         spliced = bool(prefill.plan.spliced()) and not POLICIES[request.repair.policy].exact
         if not spliced and exact_prefix:
             request.audit = "exact" if request.audit_asked else None
             return
+        # The gate judges spliced requests only (an inherited prefix alone is audited, not gated).
+        gate = self.gate if spliced else None
         repair, key = prefill.repair, prefill.gate_key
-        gated = gate is not None and spliced
-        if gated and repair.fell_back and prefill.gate_margin > request.repair.fallback_margin:
-            assert gate is not None
+        if gate is not None and repair.fell_back and prefill.gate_margin > request.repair.fallback_margin:
             gate.fell_back(key, repair.fallback_tokens)
-        calibrating = gated and gate is not None and gate.wants_sample(key)
+        calibrating = gate is not None and gate.wants_sample(key)
         if not self.schedule.pick() and not calibrating and not request.audit_asked:
             return
         if repair.fell_back and exact_prefix:
-            if gated and gate is not None:
+            if gate is not None:
                 before = repair.spliced_logits
                 assert before is not None
                 gate.add(key, GateSample(top_margin(before), kl_divergence(logits, before)), queued=False)
@@ -67,7 +67,7 @@ class Auditor:
             request.prompt.token_ids,
             logits.clone(),
             prefill.shape or "inherited prefix",
-            gate if gated else None,
+            gate,
             key,
             repair.spliced_logits,
         )

@@ -30,6 +30,8 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+import torch
+
 from kvsplice.cache.segments import SegmentStore
 from kvsplice.engine.audit import AuditFill
 from kvsplice.kv.pool import KVPool
@@ -159,14 +161,8 @@ class BackgroundWork:
             return
         logits = None
         while not work.done:
-            chunk = work.next_chunk(len(fill.token_ids))
-            result = self.runner.forward(chunk)
-            self.computed_tokens += len(chunk.positions)
-            self.computed_flops += result.flops
-            logits = work.complete(chunk, result)
-        fill.finish(logits)
-        self.computed_tokens += fill.decoded_tokens
-        self.computed_flops += fill.decoded_flops
+            logits = self._run(work, len(fill.token_ids))
+        self._audited(fill, logits)
 
     def pending_kv(self) -> dict[tuple[Hashable, tuple[int, ...]], PendingKV]:
         """Where each segment whose copy is queued has its KV: in the blocks of the request that computed
@@ -212,21 +208,29 @@ class BackgroundWork:
         if self._filling is None:
             return
         fill, work = self._filling
-        chunk = work.next_chunk(tokens)
-        result = self.runner.forward(chunk)
-        self.computed_tokens += len(chunk.positions)
-        self.computed_flops += result.flops
-        logits = work.complete(chunk, result)
+        logits = self._run(work, tokens)
         if work.done:
             if isinstance(fill, AuditFill):
-                fill.finish(logits)
-                self.computed_tokens += fill.decoded_tokens
-                self.computed_flops += fill.decoded_flops
+                self._audited(fill, logits)
             else:
                 fill.finish()
             self._filling = None
             if isinstance(fill, ContextSample):
                 self._sampled(fill)
+
+    def _run(self, work: PrefillWork, tokens: int) -> torch.Tensor | None:
+        """Run the next chunk of a fill's work, at most `tokens` long, and count it."""
+        chunk = work.next_chunk(tokens)
+        result = self.runner.forward(chunk)
+        self.computed_tokens += len(chunk.positions)
+        self.computed_flops += result.flops
+        return work.complete(chunk, result)
+
+    def _audited(self, fill: AuditFill, logits: torch.Tensor | None) -> None:
+        """An audit's prefill is done: compare, and count the answer's decoding it did."""
+        fill.finish(logits)
+        self.computed_tokens += fill.decoded_tokens
+        self.computed_flops += fill.decoded_flops
 
     @property
     def _keeps_lead(self) -> bool:

@@ -151,8 +151,7 @@ class TrustGate:
             assert c.pending > 0
             c.pending -= 1
         c.samples.append(sample)
-        if len(c.samples) >= MIN_SAMPLES:
-            c.threshold = threshold(c.samples, self.target)
+        self._refresh(c)
 
     def fell_back(self, key: str, tokens: int) -> None:
         """A request of this cell fell back below the gate's margin, recomputing `tokens` more."""
@@ -196,6 +195,13 @@ class TrustGate:
             return 0
         assert not self._cells, "samples are loaded into a new gate"
         for key, samples in cells.items():
-            for sample in samples:
-                self.add(key, sample, queued=False)
-        return sum(len(samples) for samples in cells.values())
+            # One threshold per cell, from all its samples (not one per sample: O(n^2) each).
+            c = self._cells[key] = _Cell()
+            c.samples.extend(samples)
+            self._refresh(c)
+        return sum(len(c.samples) for c in self._cells.values())
+
+    def _refresh(self, c: _Cell) -> None:
+        """The cell's threshold, once it has MIN_SAMPLES samples."""
+        if len(c.samples) >= MIN_SAMPLES:
+            c.threshold = threshold(c.samples, self.target)
