@@ -17,14 +17,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from kvsplice.bench.server_process import Served, free_port, redis_server, serve_process, stop
+from kvsplice.bench.server_process import Served, free_port, redis_server, serve_process, stop, wait_until_up
 from kvsplice.errors import ConfigError
 
 # vllm-router's policies that need nothing from the workers but HTTP (kv_aware also needs a render
@@ -82,13 +81,7 @@ def router(
         process = subprocess.Popen(router_command(worker_urls, policy, port), stdout=out, stderr=out)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_s
-        while not _answers(url):
-            if process.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {process.returncode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm-router did not answer in {startup_s:.0f} s")
-            time.sleep(0.2)
+        wait_until_up(process, lambda: _answers(url), "vllm-router", startup_s, poll_s=0.2)
         yield url
     finally:
         stop(process, timeout_s=10)

@@ -4,15 +4,14 @@ real redis-server on a free localhost port in a temporary directory."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import redis
 import torch
 
+from kvsplice.bench.server_process import free_port, pings, wait_until_up
 from kvsplice.tiers import KVFingerprint, SegmentKV
 
 LAYERS, HEADS, DIM = 4, 2, 8
@@ -56,12 +55,6 @@ def assert_same_kv(a: SegmentKV, b: SegmentKV) -> None:
             assert torch.equal(x.k, y.k) and torch.equal(x.v, y.v)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """redis-server on 127.0.0.1:port, no persistence, started and stopped by the test."""
 
@@ -82,16 +75,11 @@ class RedisServer:
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.02)
-        client.close()
+        try:
+            what = f"redis-server on port {self.port}"
+            wait_until_up(self.process, lambda: pings(client), what, 10.0, poll_s=0.02)
+        finally:
+            client.close()
         return self
 
     def kill(self) -> None:

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,13 +45,7 @@ def serve_process(flags: list[str], startup_s: float = 300.0) -> Iterator[Served
     process = subprocess.Popen([*command, *flags])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_s
-        while not _healthy(url):
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start in {startup_s:.0f} s")
-            time.sleep(0.5)
+        wait_until_up(process, lambda: _healthy(url), "the server", startup_s, poll_s=0.5)
         yield Served(url, process)
     finally:
         stop(process, timeout_s=60)
@@ -62,6 +56,28 @@ def serve(flags: list[str], startup_s: float = 300.0) -> Iterator[str]:
     """`serve_process`, yielding only the base URL."""
     with serve_process(flags, startup_s) as served:
         yield served.url
+
+
+def wait_until_up(
+    process: subprocess.Popen[bytes], answers: Callable[[], bool], what: str, startup_s: float, poll_s: float
+) -> None:
+    """Poll `answers` every `poll_s` until it is true; raise RuntimeError (naming `what`) if the process
+    exits first or `startup_s` pass."""
+    deadline = time.monotonic() + startup_s
+    while not answers():
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer in {startup_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def pings(client: redis.Redis) -> bool:
+    """Whether the Redis server answers a PING."""
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
 
 
 def stop(process: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -96,16 +112,9 @@ def redis_server(directory: Path, maxmemory: str = "4gb", startup_s: float = 10.
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     client = redis.Redis(port=port)
+
     try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {port}") from None
-                time.sleep(0.02)
+        wait_until_up(process, lambda: pings(client), f"redis-server on port {port}", startup_s, poll_s=0.02)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         client.close()
