@@ -13,7 +13,7 @@ from kvsplice.bench.metrics import ALL, RequestRecord, by_group, compare, is_cor
 from kvsplice.bench.plots import write_plots
 from kvsplice.bench.report import breakdown_tables, markdown
 from kvsplice.bench.results import BenchResult, MachineInfo
-from kvsplice.bench.stats import paired_difference, wilson
+from kvsplice.bench.stats import paired_difference, requests_to_show, wilson
 
 
 @pytest.mark.parametrize(
@@ -70,6 +70,26 @@ def test_paired_difference_properties() -> None:
     assert same is not None and same.estimate == 0 and same.low < 0 < same.high
     gain = paired_difference(_pairs(0, 20, 0, 0))
     assert gain is not None and gain.estimate == 1 and gain.high == 1 and gain.low > 0.5
+
+
+def test_requests_to_show_a_floor() -> None:
+    """The smallest number of requests, at the same outcome proportions, whose interval clears the
+    floor: checked against a scan over every n, and None where the estimate itself is below it."""
+    pairs = _pairs(60, 5, 5, 30)  # estimate 0: the interval narrows onto it
+
+    def low(n: int) -> float:
+        # At multiples of 20 requests the proportions are whole counts.
+        interval = paired_difference(_pairs(*(c * n // 100 for c in (60, 5, 5, 30))))
+        assert interval is not None
+        return interval.low
+
+    needed = requests_to_show(pairs, -0.02)
+    assert needed is not None and needed > 100
+    scan = next(n for n in range(100, 10_000, 20) if low(n) >= -0.02)
+    assert scan - 20 < needed <= scan
+    assert low(100) >= -0.10 and requests_to_show(pairs, -0.10) <= 100
+    assert requests_to_show(_pairs(60, 2, 5, 33), -0.02) is None  # -3 points: never above -2
+    assert requests_to_show([], -0.02) is None
 
 
 def test_answer_at_start_judge() -> None:

@@ -3,15 +3,16 @@
     python bench/analyses/pool.py DIR [DIR ...] --system splice:lead@15
     python bench/analyses/pool.py DIR DIR=splice:lead@15 --system splice:lead@15+shift0.5
 
-A run of 100 requests measures an accuracy difference to about ±5 points; the fidelity targets ask
-about one. Runs of one workload on other seeds measure other requests, so their paired outcomes pool:
-per model and setting, the paired accuracy difference against the full prefill of the same requests
-(Newcombe's interval over every pair), the mean next-token KL, the share within KL_CLOSE and the
-first-token agreement (Wilson intervals), and the agreement where the full prefill leads its
-runner-up by at least each of MARGINS probability (below that it is torn, and any perturbation may
-flip it). Two runs of one model, setting and seed measured the same requests and are refused, as are
-runs of other workload sizes: the pool would count requests twice, or mix evaluations. Runs made at
-different commits pool as given; the table names the commits.
+A run of 100 requests measures an accuracy difference to about ±5 points; the fidelity targets ask about
+two ("never more than 2 points below"), and the table says how many requests, in the pooled proportions
+of answers won, lost and kept, an interval would need to show it. Runs of one workload on other seeds
+measure other requests, so their paired outcomes pool: per model and setting, the paired accuracy
+difference against the full prefill of the same requests (Newcombe's interval over every pair), the mean
+next-token KL, the share within KL_CLOSE and the first-token agreement (Wilson intervals), and the
+agreement where the full prefill leads its runner-up by at least each of MARGINS probability (below that
+it is torn, and any perturbation may flip it). Two runs of one model, setting and seed measured the same
+requests and are refused, as are runs of other workload sizes: the pool would count requests twice, or
+mix evaluations. Runs made at different commits pool as given; the table names the commits.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from pathlib import Path
 
 from kvsplice.bench.metrics import KL_CLOSE, RequestRecord
 from kvsplice.bench.results import BenchResult
-from kvsplice.bench.stats import Interval, paired_difference, wilson
+from kvsplice.bench.stats import Interval, paired_difference, requests_to_show, wilson
 
 # Full-prefill margins (top-1 minus runner-up probability) at which first-token agreement is reported.
 MARGINS = (0.02, 0.1, 0.2)
+# The accuracy the default may lose at most against the full prefill (fidelity target: 2 points).
+FLOOR = -0.02
 # Spec entries that may differ between pooled runs: they choose which requests, not what kind.
 _PER_RUN = ("seed", "requests")
 
@@ -59,6 +62,8 @@ class Pooled:
     reference_accuracy: float
     # accuracy(system) - accuracy(full prefill), paired.
     accuracy_delta: Interval
+    # Requests in these proportions whose interval would show the loss within FLOOR (None: never).
+    to_show: int | None
     kl_mean: float
     close: Interval
     top1: Interval
@@ -125,7 +130,8 @@ def _pooled(
 ) -> Pooled:
     n = len(both)
     kls = [p.system.kl or 0.0 for p in both]
-    delta = paired_difference([(bool(p.system.correct), bool(p.reference.correct)) for p in both])
+    outcomes = [(bool(p.system.correct), bool(p.reference.correct)) for p in both]
+    delta = paired_difference(outcomes)
     close = wilson(sum(kl <= KL_CLOSE for kl in kls), n)
     top1 = wilson(sum(bool(p.system.top1) for p in both), n)
     assert delta is not None and close is not None and top1 is not None, "a setting has pairs"
@@ -142,6 +148,7 @@ def _pooled(
         sum(bool(p.system.correct) for p in both) / n,
         sum(bool(p.reference.correct) for p in both) / n,
         delta,
+        requests_to_show(outcomes, FLOOR),
         sum(kls) / n,
         close,
         top1,
@@ -157,21 +164,30 @@ def _interval(i: Interval | None, signed: bool = False) -> str:
     return f"{100 * i.estimate:.1f}% [{100 * i.low:.0f}, {100 * i.high:.0f}]"
 
 
+def _shown(r: Pooled) -> str:
+    """How many requests the pooled proportions need to show the accuracy within FLOOR."""
+    if r.to_show is None:
+        return "never (estimate below)" if r.accuracy_delta.estimate <= FLOOR else "over a million"
+    if r.to_show <= r.requests and r.accuracy_delta.low >= FLOOR:
+        return "shown"
+    return f"{r.to_show:,}"
+
+
 def table(rows: Sequence[Pooled], system: str) -> str:
     led = " | ".join(f"first token, full leads by ≥ {m:g}" for m in MARGINS)
     out = [
         f"`{system}` against the full prefill of the same requests, pooled over runs (95% intervals)",
         "",
-        f"| model | setting | requests (seeds) | accuracy (full) | Δ accuracy, points | KL "
-        f"| KL ≤ {KL_CLOSE:g} | first token | {led} | commits |",
-        "|---|---|---|---|---:|---:|---:|---:|" + "---:|" * len(MARGINS) + "---|",
+        f"| model | setting | requests (seeds) | accuracy (full) | Δ accuracy, points "
+        f"| requests to show Δ ≥ {100 * FLOOR:g} | KL | KL ≤ {KL_CLOSE:g} | first token | {led} | commits |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(MARGINS) + "---|",
     ]
     for r in rows:
         shares = " | ".join(f"{_interval(x.top1)} of {x.requests}" for x in r.led)
         out.append(
             f"| {r.model} | {r.setting} | {r.requests} ({', '.join(map(str, r.seeds))}) "
             f"| {100 * r.accuracy:.1f}% ({100 * r.reference_accuracy:.1f}%) "
-            f"| {_interval(r.accuracy_delta, True)} | {r.kl_mean:.4f} | {_interval(r.close)} "
+            f"| {_interval(r.accuracy_delta, True)} | {_shown(r)} | {r.kl_mean:.4f} | {_interval(r.close)} "
             f"| {_interval(r.top1)} | {shares} | {', '.join(r.commits)} |"
         )
     return "\n".join(out)

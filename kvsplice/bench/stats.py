@@ -29,6 +29,11 @@ def wilson(successes: int, n: int, z: float = Z95) -> Interval | None:
         raise ValueError(f"successes must be in [0, n], got {successes} of {n}")
     if n == 0:
         return None
+    return _wilson(successes, n, z)
+
+
+def _wilson(successes: float, n: float, z: float) -> Interval:
+    """wilson for counts that may be fractional (outcomes scaled to another number of requests)."""
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
@@ -42,15 +47,18 @@ def paired_difference(pairs: Sequence[tuple[bool, bool]], z: float = Z95) -> Int
     """The difference rate(first) - rate(second) over pairs of outcomes on the same cases, with
     Newcombe's square-and-add interval from the two Wilson intervals, corrected for the correlation
     of the paired outcomes; None without pairs."""
-    n = len(pairs)
-    if n == 0:
+    if not pairs:
         return None
     both = sum(1 for x, y in pairs if x and y)
     first_only = sum(1 for x, y in pairs if x and not y)
     second_only = sum(1 for x, y in pairs if y and not x)
-    neither = n - both - first_only - second_only
-    one, two = wilson(both + first_only, n, z), wilson(both + second_only, n, z)
-    assert one is not None and two is not None
+    return _paired_counts(both, first_only, second_only, len(pairs) - both - first_only - second_only, z)
+
+
+def _paired_counts(both: float, first_only: float, second_only: float, neither: float, z: float) -> Interval:
+    """paired_difference from the counts of the four outcomes (fractional where scaled)."""
+    n = both + first_only + second_only + neither
+    one, two = _wilson(both + first_only, n, z), _wilson(both + second_only, n, z)
     p1, p2 = one.estimate, two.estimate
     # phi: the correlation of the paired outcomes, a positive one shrunk by n/2 as Newcombe does
     # (a continuity correction); 0 when a margin is empty (it is undefined then).
@@ -67,3 +75,42 @@ def paired_difference(pairs: Sequence[tuple[bool, bool]], z: float = Z95) -> Int
     )
     d = p1 - p2
     return Interval(d, max(-1.0, d - below), min(1.0, d + above))
+
+
+# requests_to_show looks no further: a million paired requests is beyond any benchmark run.
+MAX_REQUESTS = 1_000_000
+
+
+def requests_to_show(pairs: Sequence[tuple[bool, bool]], floor: float, z: float = Z95) -> int | None:
+    """How many pairs, in the proportions of `pairs` (both, first only, second only, neither), the paired
+    difference's interval needs before its lower bound reaches `floor` (a target such as "at most 2
+    points below": -0.02); None where the estimate itself is at or below `floor` (no number of
+    requests shows it) or it takes more than MAX_REQUESTS."""
+    if not pairs:
+        return None
+    n0 = len(pairs)
+    counts = (
+        sum(1 for x, y in pairs if x and y),
+        sum(1 for x, y in pairs if x and not y),
+        sum(1 for x, y in pairs if y and not x),
+    )
+    if (counts[1] - counts[2]) / n0 <= floor:
+        return None
+
+    def shows(n: int) -> bool:
+        both, first, second = (c * n / n0 for c in counts)
+        return _paired_counts(both, first, second, n - both - first - second, z).low >= floor
+
+    high = n0
+    while not shows(high):
+        if high >= MAX_REQUESTS:
+            return None
+        high = min(2 * high, MAX_REQUESTS)
+    low = 0  # the bound only narrows as n grows: bisect between a failing and a showing n
+    while high - low > 1:
+        mid = (low + high) // 2
+        if shows(mid):
+            high = mid
+        else:
+            low = mid
+    return high
