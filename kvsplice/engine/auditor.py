@@ -41,12 +41,13 @@ class Auditor:
         prefill = request.prefill
         assert prefill is not None
         exact_prefix = not prefill.approximate_prefix
-        spliced = bool(prefill.plan.spliced()) and not POLICIES[request.repair.policy].exact
-        if not spliced and exact_prefix:
+        # Spliced, or an earlier request's spliced KV inherited into its own blocks (prefill.shape says).
+        reused = bool(prefill.shape) and not POLICIES[request.repair.policy].exact
+        if not reused and exact_prefix:
             request.audit = "exact" if request.audit_asked else None
             return
-        # The gate judges spliced requests only (an inherited prefix alone is audited, not gated).
-        gate = self.gate if spliced else None
+        # The gate judges what it can send to a full prefill: not a prefix left in shared blocks.
+        gate = self.gate if reused else None
         repair, key = prefill.repair, prefill.gate_key
         if gate is not None and repair.fell_back and prefill.gate_margin > request.repair.fallback_margin:
             gate.fell_back(key, repair.fallback_tokens)
@@ -95,7 +96,7 @@ class Auditor:
         # The answer was a full prefill's (and its greedy decoding over exact KV): nothing to compute.
         result = AuditResult(0.0, True, compared, compared)
         assert request.prefill is not None
-        if request.prefill.plan.spliced():
+        if request.prefill.shape:
             self.audits.record(salt_key(request.namespace), request.prefill.shape, result)
         if request.audit_asked:
             request.metrics.audit = result

@@ -37,7 +37,8 @@ class BlockManager:
 
     def fits_empty_pool(self, num_prompt_tokens: int, max_tokens: int) -> bool:
         # One block to spare: admission copies a partial prefix hit into a fresh block while it still
-        # holds the shared one, so a request that needs every block never fits.
+        # holds the shared one, so a request that needs every block never fits. (Copying more of the
+        # hit is skipped where memory is short.)
         return self.blocks_needed(num_prompt_tokens, max_tokens) + 1 <= self.pool.num_blocks
 
     def plain_hit(self, request: Request) -> int:
@@ -61,25 +62,39 @@ class BlockManager:
         seq.keys = keys.ids
         hit = self.prefix_cache.acquire(seq)
         table = list(hit.blocks)
-        partial = hit.num_tokens % self.pool.block_size
+        bs = self.pool.block_size
         needed = self.blocks_needed(request.num_prompt_tokens, request.params.max_tokens)
-        try:
-            fresh = self.allocator.allocate(needed - len(table) + (1 if partial else 0))
-        except OutOfBlocksError:
+        # The hit blocks to copy into the request's own: the last one where the hit ends inside it (it is
+        # shared and only partly ours), and, where the hit holds an earlier request's spliced KV (past
+        # where the segment keys start), every block from there on, so that repair may recompute it
+        # (copy on write). Copying those takes memory: without it to spare they stay shared, approximate.
+        own_from = len(table) - (1 if hit.num_tokens % bs else 0)
+        if keys.approximate_from is not None and hit.num_tokens > keys.approximate_from:
+            own_from = min(own_from, keys.approximate_from // bs)
+        fresh = None
+        for first in dict.fromkeys((own_from, len(table) - (1 if hit.num_tokens % bs else 0))):
+            try:
+                fresh = self.allocator.allocate(needed - first)
+            except OutOfBlocksError:
+                continue
+            own_from = first
+            break
+        if fresh is None:
             seq.block_table = table
             self.prefix_cache.release(seq)
             seq.block_table = []
             return None
-        if partial:
-            # The last hit block is shared and only partly ours: copy its valid slots before writing.
-            shared, own = table[-1], fresh.pop()
-            offsets = torch.arange(partial, device=self.pool.device)
-            bs = self.pool.block_size
-            self.pool.copy_slots(shared * bs + offsets, own * bs + offsets)
-            self.allocator.decref([shared])
-            table[-1] = own
+        if own_from < len(table):
+            copies = fresh[: len(table) - own_from]
+            # The hit's valid slots from block own_from on: positions p -> slot (block of p) * bs + p % bs.
+            positions = torch.arange(own_from * bs, hit.num_tokens, device=self.pool.device)
+            shared = self.pool.slots(table[own_from:], positions - own_from * bs)
+            self.pool.copy_slots(shared, self.pool.slots(copies, positions - own_from * bs))
+            self.allocator.decref(table[own_from:])
+            table[own_from:] = copies
+            fresh = fresh[len(copies) :]
         seq.block_table = table + fresh
-        return Admission(hit.num_tokens, keys.approximate_from)
+        return Admission(hit.num_tokens, keys.approximate_from, own_from * bs)
 
     def computed(self, request: Request) -> None:
         """The request's written KV grew (its prefill finished, or a decode step ran)."""

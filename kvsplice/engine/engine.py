@@ -315,6 +315,7 @@ class Engine:
                 admission.prefix_hit_tokens,
                 lookup,
                 admission.approximate_from,
+                admission.own_from,
                 self.background.pending_kv(),
             )
 

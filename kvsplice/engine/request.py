@@ -34,6 +34,9 @@ class Admission:
     # Where its segment keys start (cache/segment_keys.py): all its KV may be indexed, approximate or
     # not, and nothing before it may be spliced. None: keyed by its plain token ids.
     approximate_from: int | None
+    # Where the request's own blocks start (a multiple of the block size, at most the hit): KV before it
+    # lies in blocks shared with the prefix cache, which it must not write.
+    own_from: int
 
     @property
     def segment_keyed(self) -> bool:

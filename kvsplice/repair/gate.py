@@ -43,10 +43,15 @@ MAX_SAMPLES = 256
 Z = 2.0
 
 
-def prompt_shape(plan: Plan) -> str:
+def prompt_shape(plan: Plan, inherited: int = 0) -> str:
     """A prompt's coarse shape: how many reused segments, how long they are on average (tokens), and
-    whether marked or found without markup. Few-shot examples and retrieved passages differ in it."""
+    whether marked or found without markup; then whether it extends an earlier request's spliced KV
+    (`inherited` tokens of it, a chat turn's history). Few-shot examples and retrieved passages differ
+    in it, and so do first turns and later ones. "" where nothing is reused but exact KV."""
     spliced = plan.spliced()
+    after = ", inherited" if inherited else ""
+    if not spliced:
+        return "inherited prefix" if inherited else ""
     marked = {s.segment for s in spliced if not s.discovered}
     found = {s.segment for s in spliced if s.discovered}
     n = len(marked) + len(found)
@@ -54,7 +59,7 @@ def prompt_shape(plan: Plan) -> str:
     mean = sum(len(s) for s in spliced) / max(1, n)
     size = "<128" if mean < 128 else "128-511" if mean < 512 else "512+"
     kind = "marked" if not found else "found" if not marked else "both"
-    return f"{count} x {size} {kind}"
+    return f"{count} x {size} {kind}{after}"
 
 
 def gate_cell(shape: str, policy: str, ratio: float) -> str:

@@ -203,12 +203,14 @@ class ReusePath:
         prefix_hit: int,
         lookup: Lookup,
         approximate_from: int | None = None,
+        own_from: int = 0,
         pending: Mapping[tuple[Hashable, tuple[int, ...]], PendingKV] | None = None,
     ) -> Prefill:
         """Plan, place and set up the repair of a prompt whose first `prefix_hit` tokens hold exact cached
         KV in `block_table` (which has room for every prompt token). `lookup`: what `lookup` found for
         it before admission. `approximate_from`: where the request's segment keys start (None: plain
         ids); nothing before it is spliced, since the prefix cache keeps that KV under plain ids.
+        `own_from`: where the request's own blocks start (before it, they are shared with the cache).
         `pending`: where each segment whose copy into the store is queued has its KV."""
         pending = pending or {}
         n = len(prompt.token_ids)
@@ -298,27 +300,27 @@ class ReusePath:
         if self.finder is not None and discovered and not policy.exact:
             missed += self._unkept(prompt, plan, missed)
         spliced = plan.tokens(SpanKind.SPLICED)
-        shape = prompt_shape(plan) if plan.spliced() else ""
+        # A prefix hit under segment keys that ends past where the keys start holds an earlier request's
+        # spliced KV there, repaired for that request. Where it lies in the request's own blocks (copied
+        # at admission), repair may recompute it again for this one, and a fallback does; otherwise (no
+        # memory to copy it) the prefix stays approximate.
+        inherited: tuple[int, ...] = ()
+        approximate_prefix = approximate_from is not None and prefix_hit > approximate_from
+        if approximate_prefix and approximate_from is not None and approximate_from >= own_from:
+            inherited, approximate_prefix = tuple(range(approximate_from, prefix_hit)), False
+        shape = prompt_shape(plan, len(inherited))
         gate_key = gate_cell(shape, settings.policy, settings.ratio)
         gate_margin = (
             self.gate.margin(gate_key) if self.gate is not None and shape and not policy.exact else 0.0
         )
-        # The heads of found spans (plan.heads) were reused tokens: they count toward the budget.
+        # The heads of found spans (plan.heads) were reused tokens: they count toward the budget, as do
+        # inherited tokens for a policy that repairs them.
+        again = len(inherited) if policy.repairs_inherited else 0
         budget = (
-            max(0, budget_tokens(spliced + plan.heads, settings.ratio) - plan.heads)
+            max(0, budget_tokens(spliced + plan.heads + again, settings.ratio) - plan.heads)
             if policy.budgeted
             else spliced
         )
-        # A prefix hit under segment keys that ends past where the keys start holds an earlier request's
-        # spliced KV there. Where all of it lies in the hit's last, partial block (copied at admission,
-        # so the request's own), a fallback can recompute it; otherwise the prefix stays approximate.
-        inherited: tuple[int, ...] = ()
-        approximate_prefix = approximate_from is not None and prefix_hit > approximate_from
-        if approximate_prefix:
-            assert approximate_from is not None
-            partial_from = prefix_hit - prefix_hit % self.pool.block_size
-            if prefix_hit % self.pool.block_size and approximate_from >= partial_from:
-                inherited, approximate_prefix = tuple(range(approximate_from, prefix_hit)), False
         run = RepairRun(
             policy,
             RepairTask(

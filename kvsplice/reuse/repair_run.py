@@ -29,6 +29,8 @@ class RepairRun:
         plan, layers = task.plan, task.num_layers
         spliced = set(plan.positions(SpanKind.SPLICED))
         self._spliced = spliced
+        # What a policy may recompute: spliced positions, and inherited ones (RepairTask.inherited).
+        candidates = spliced | set(task.inherited)
         self._compute = plan.positions(SpanKind.COMPUTE)
         # Each reused segment's approximate positions (lead KV is exact), for the segment shift; and,
         # per layer, the spliced positions some pass has recomputed there.
@@ -49,7 +51,7 @@ class RepairRun:
         self._queued: Pass | None = None
         probe = self.decision.probe
         if probe is None:
-            assert set(self.decision.recompute) <= spliced, "a policy recomputes only spliced tokens"
+            assert set(self.decision.recompute) <= candidates, "a policy recomputes only reused tokens"
             assert len(self.decision.recompute) <= task.budget or policy.exact, (
                 f"{policy.name} recomputes {len(self.decision.recompute)} > {task.budget}"
             )
@@ -75,7 +77,7 @@ class RepairRun:
         self.recomputed = chosen
         rest = self._pass(_union(self._compute, chosen), range(probe.last_layer + 1, self.task.num_layers))
         if not probe.resume:
-            assert set(chosen) <= set(self.task.plan.positions(SpanKind.SPLICED))
+            assert set(chosen) <= {*self._spliced, *self.task.inherited}
             if not rest.layers:
                 # The probe ran every layer (the adaptive policy's first estimate): a round of repair
                 # from the first layer, as `refine` asks for.
@@ -114,8 +116,8 @@ class RepairRun:
         margin, one more pass recomputes every stale token, with the computed ones, from the first layer.
         That gives a full prefill's KV and logits where the rest is exact: lead KV after the same head,
         a cached prefix under plain ids (a prefix hit under segment keys may hold an earlier request's
-        spliced KV: the pass recomputes it where it lies in the request's own last hit block,
-        `RepairTask.inherited`, and leaves it as it is in blocks shared with the cache). A near-tie is
+        spliced KV: the pass recomputes it, `RepairTask.inherited`, where admission copied it into the
+        request's own blocks, and leaves it as it is where memory was too short to). A near-tie is
         where repair flips first tokens: the full prefill is torn there too, and agreeing with it takes
         KV all but exact (docs/fidelity.md)."""
         margin = self.task.fallback_margin

@@ -1,0 +1,98 @@
+"""A chat turn that extends an earlier spliced prompt inherits its KV as a prefix (cache/segment_keys.py):
+admission copies that approximate KV out of the blocks it shares with the prefix cache, so repair may
+recompute it for the new question and a fallback recomputes all of it. Checked against an independent
+full prefill (a plain engine, prompts without markup). Tiny random-weight model, token-id prompts."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvsplice import LLM, RequestOptions, SamplingParams, Segment
+from kvsplice.repair import attention
+from kvsplice.repair.gate import MIN_SAMPLES, GateSample, gate_cell
+from kvsplice.repair.registry import budget_tokens
+from kvsplice.sampling import kl_divergence
+from tests import tiny_models
+
+rng = random.Random(12)
+SYSTEM = [rng.randrange(1, 320) for _ in range(9)]
+DOCS = [[rng.randrange(1, 320) for _ in range(40)] for _ in range(3)]
+QUESTION = [rng.randrange(1, 320) for _ in range(6)]
+# The next turn: a reply and another question after the first turn's prompt.
+FOLLOW_UP = [rng.randrange(1, 320) for _ in range(13)]
+# The next turn's prefix hit: the first turn's prompt (the radix cache matches to the token).
+HIT = len(SYSTEM) + 80 + len(QUESTION)
+FIRST = SamplingParams(max_tokens=1, temperature=0.0, return_first_logits=True)
+SETTINGS = {"block_size": 8, "kv_cache_gb": 0.01, "num_threads": 1, "prefix_cache": "radix"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("LlamaForCausalLM")
+    tiny_models.save("LlamaForCausalLM", directory)
+    return directory
+
+
+def _turns(llm: LLM, options: RequestOptions) -> Any:
+    """Store the documents, splice them in a new order (the first turn), then send the next turn;
+    returns the next turn's output."""
+    _ask(llm, [SYSTEM, *map(Segment, DOCS), QUESTION], options)
+    first = [SYSTEM, Segment(DOCS[2]), Segment(DOCS[0]), QUESTION]
+    out = _ask(llm, first, options)
+    assert out.metrics.segment_hit_tokens == 80, "the first turn splices both documents"
+    return _ask(llm, [*first, FOLLOW_UP], options)
+
+
+def _ask(llm: LLM, prompt: list, options: RequestOptions) -> Any:
+    out = llm.generate([prompt], FIRST, options)[0]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    return out
+
+
+def _full(model_dir: Path) -> Any:
+    plain = LLM(model=str(model_dir), **{**SETTINGS, "prefix_cache": "off"})
+    return plain.generate([[*SYSTEM, *DOCS[2], *DOCS[0], *QUESTION, *FOLLOW_UP]], FIRST)[0]
+
+
+def test_a_fallback_after_an_inherited_prefix_is_a_full_prefill(model_dir: Path) -> None:
+    # The next turn's hit is the first turn's prompt (9 + 80 + 6 tokens), its spliced KV over several
+    # whole blocks of 8: shared with the cache unless admission copies it.
+    llm = LLM(model=str(model_dir), fidelity_target=1e-9, audit_ratio=0.0, **SETTINGS)
+    options = RequestOptions(repair="none")
+    gate = llm.engine.gate
+    assert gate is not None
+    # The inherited-prefix cell's audits say it is far from a full prefill: its requests fall back.
+    key = gate_cell("inherited prefix", "none", llm.engine.config.recompute_ratio)
+    for _ in range(MIN_SAMPLES):
+        gate.add(key, GateSample(0.5, 1.0), queued=False)
+    got = _turns(llm, options)
+    assert got.metrics.prefix_hit_tokens == HIT and got.metrics.segment_hit_tokens == 0
+    assert got.metrics.repair_fallback, "the gate judges a turn that only inherits"
+    want = _full(model_dir)
+    assert kl_divergence(want.first_logits, got.first_logits) < 1e-6
+
+
+def test_repair_recomputes_inherited_kv_for_the_new_question(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chosen: list[tuple[int, ...]] = []
+    choice = attention.attention_choice
+
+    def spy(*args: Any) -> tuple[int, ...]:
+        chosen.append(choice(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(attention, "attention_choice", spy)
+    llm = LLM(model=str(model_dir), fidelity_target=0.0, **SETTINGS)
+    got = _turns(llm, RequestOptions(repair="attention", recompute_ratio=0.25))
+    # The first turn spliced from position 9 on; the next one hits its prompt, and its own question ranks
+    # the inherited tokens: a quarter of them are recomputed.
+    assert got.metrics.prefix_hit_tokens == HIT and got.metrics.segment_hit_tokens == 0
+    budget = budget_tokens(HIT - len(SYSTEM), 0.25)
+    assert got.metrics.recomputed_tokens == budget
+    assert len(chosen[-1]) == budget and all(len(SYSTEM) <= p < HIT for p in chosen[-1])
