@@ -156,17 +156,20 @@ def test_close_rate_counts_kls_at_most_the_threshold() -> None:
 
 
 def test_per_turn_rows() -> None:
+    turn_one = {"turn": 1, "ttft_s": 0.5, "computed_tokens": 40, "prefix_hit_tokens": 50, "prompt_tokens": 90}
     records = [
         _record("off", "c0-0", turn=0, ttft_s=1.0, computed_tokens=50, prompt_tokens=50),
         _record("off", "c0-1", turn=1, ttft_s=2.0, computed_tokens=90, prompt_tokens=90),
         _record("radix", "c0-0", turn=0, ttft_s=1.0, computed_tokens=50, prompt_tokens=50),
-        _record(
-            "radix", "c0-1", turn=1, ttft_s=0.5, computed_tokens=40, prefix_hit_tokens=50, prompt_tokens=90
-        ),
+        _record("radix", "c0-1", kl=0.02, top1=True, **turn_one),
+        _record("radix", "c1-1", kl=0.2, top1=False, **turn_one),
     ]
     rows = per_turn(records, ["off", "radix"])
     assert [(r.turn, r.system) for r in rows] == [(0, "off"), (0, "radix"), (1, "off"), (1, "radix")]
     assert rows[3].computed_mean == 40 and rows[3].reused_mean == 50 and rows[3].ttft_p50_s == 0.5
+    # KL over the records that have one: 0.02 and 0.2, standard error |0.2 - 0.02| / 2.
+    assert rows[3].kl_mean == pytest.approx(0.11) and rows[3].kl_se == pytest.approx(0.09)
+    assert rows[3].top1_rate == 0.5 and rows[2].kl_mean is None and rows[2].kl_se is None
 
 
 def test_system_names_expand_without_pointless_duplicates() -> None:

@@ -20,6 +20,7 @@ Definitions (docs/bench.md has the long form):
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -168,6 +169,10 @@ class TurnSummary:
     ttft_p50_s: float | None = None
     computed_mean: float | None = None
     reused_mean: float | None = None
+    # First-token KL from the full prefill: mean and its standard error (None with fewer than 2).
+    kl_mean: float | None = None
+    kl_se: float | None = None
+    top1_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -365,6 +370,9 @@ def per_turn(records: Sequence[RequestRecord], systems: Sequence[str]) -> list[T
                     reused_mean=_mean(
                         [r.prefix_hit_tokens + r.segment_hit_tokens + r.discovered_hit_tokens for r in ok]
                     ),
+                    kl_mean=_mean(kls := [r.kl for r in ok if r.kl is not None]),
+                    kl_se=statistics.stdev(kls) / math.sqrt(len(kls)) if len(kls) > 1 else None,
+                    top1_rate=_rate(r.top1 for r in ok),
                 )
             )
     return rows

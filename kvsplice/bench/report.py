@@ -15,7 +15,7 @@ from kvsplice.bench.metrics import (
     by_group,
 )
 from kvsplice.bench.results import BenchResult
-from kvsplice.bench.stats import Interval
+from kvsplice.bench.stats import Z95, Interval
 
 HEADLINE_LEGEND = (
     "TTFT p50: median time to first token. speedup: median over requests of the full prefill's TTFT "
@@ -235,7 +235,8 @@ def breakdown_tables(rows: list[GroupSummary], reference: str) -> str:
 
 
 def turn_tables(turns: list[TurnSummary], systems: list[str]) -> str:
-    """Two tables with a row per turn: TTFT p50 (ms) per system, and tokens computed per system."""
+    """Tables with a row per turn: TTFT p50 (ms) per system, tokens computed per system, and each
+    compared system's first-token KL from the full prefill (does a later turn drift?)."""
     by_turn: dict[int, dict[str, TurnSummary]] = {}
     for row in turns:
         by_turn.setdefault(row.turn, {})[row.system] = row
@@ -255,9 +256,7 @@ def turn_tables(turns: list[TurnSummary], systems: list[str]) -> str:
                     values.append("failed")
                 else:
                     mark = f" ({c.failed} failed)" if c.failed else ""
-                    values.append(
-                        (_ms(c.ttft_p50_s) if cell == "ttft" else f"{c.computed_mean or 0:,.0f}") + mark
-                    )
+                    values.append(_turn_cell(c, cell) + mark)
             lines.append(f"| {turn} | {prompt or 0:,.0f} | " + " | ".join(values) + " |")
         return "\n".join(lines)
 
@@ -266,7 +265,22 @@ def turn_tables(turns: list[TurnSummary], systems: list[str]) -> str:
         + table("ttft")
         + "\n\nPrompt tokens computed per turn (mean; computed plus recomputed):\n\n"
         + table("computed")
+        + "\n\nFirst-token KL from the full prefill per turn (mean [95 % interval]; same first token):\n\n"
+        + table("kl")
     )
+
+
+def _turn_cell(c: TurnSummary, cell: str) -> str:
+    if cell == "ttft":
+        return _ms(c.ttft_p50_s)
+    if cell == "computed":
+        return f"{c.computed_mean or 0:,.0f}"
+    if c.kl_mean is None:
+        return "–"
+    spread = ""
+    if c.kl_se is not None:
+        spread = f" [{max(0.0, c.kl_mean - Z95 * c.kl_se):.4f}, {c.kl_mean + Z95 * c.kl_se:.4f}]"
+    return f"{c.kl_mean:.4f}{spread}; {_pct(c.top1_rate, 0)}"
 
 
 def headline(result: BenchResult) -> str:
