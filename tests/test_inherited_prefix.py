@@ -1,7 +1,8 @@
 """A chat turn that extends an earlier spliced prompt inherits its KV as a prefix (cache/segment_keys.py):
-admission copies that approximate KV out of the blocks it shares with the prefix cache, so repair may
-recompute it for the new question and a fallback recomputes all of it. Checked against an independent
-full prefill (a plain engine, prompts without markup). Tiny random-weight model, token-id prompts."""
+admission copies that approximate KV out of the blocks it shares with the prefix cache, so that the
+trust gate can send the turn to a full prefill, which recomputes all of it, and the cached KV other turns
+inherit stays as it was. Checked against an independent full prefill (a plain engine, prompts without
+markup). Tiny random-weight model, token-id prompts."""
 
 from __future__ import annotations
 
@@ -12,9 +13,7 @@ from typing import Any
 import pytest
 
 from kvsplice import LLM, RequestOptions, SamplingParams, Segment
-from kvsplice.repair import attention
-from kvsplice.repair.gate import MIN_SAMPLES, GateSample, gate_cell
-from kvsplice.repair.registry import budget_tokens
+from kvsplice.repair.gate import MAX_SAMPLES, MIN_SAMPLES, GateSample, gate_cell
 from kvsplice.sampling import kl_divergence
 from tests import tiny_models
 
@@ -77,22 +76,27 @@ def test_a_fallback_after_an_inherited_prefix_is_a_full_prefill(model_dir: Path)
     assert kl_divergence(want.first_logits, got.first_logits) < 1e-6
 
 
-def test_repair_recomputes_inherited_kv_for_the_new_question(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    chosen: list[tuple[int, ...]] = []
-    choice = attention.attention_choice
-
-    def spy(*args: Any) -> tuple[int, ...]:
-        chosen.append(choice(*args))
-        return chosen[-1]
-
-    monkeypatch.setattr(attention, "attention_choice", spy)
-    llm = LLM(model=str(model_dir), fidelity_target=0.0, **SETTINGS)
-    got = _turns(llm, RequestOptions(repair="attention", recompute_ratio=0.25))
-    # The first turn spliced from position 9 on; the next one hits its prompt, and its own question ranks
-    # the inherited tokens: a quarter of them are recomputed.
-    assert got.metrics.prefix_hit_tokens == HIT and got.metrics.segment_hit_tokens == 0
-    budget = budget_tokens(HIT - len(SYSTEM), 0.25)
-    assert got.metrics.recomputed_tokens == budget
-    assert len(chosen[-1]) == budget and all(len(SYSTEM) <= p < HIT for p in chosen[-1])
+def test_a_fallback_leaves_the_cached_kv_other_turns_inherit_as_it_was(model_dir: Path) -> None:
+    llm = LLM(model=str(model_dir), fidelity_target=1e-9, audit_ratio=0.0, **SETTINGS)
+    options = RequestOptions(repair="none")
+    gate = llm.engine.gate
+    assert gate is not None
+    key = gate_cell("inherited prefix", "none", llm.engine.config.recompute_ratio)
+    for _ in range(MIN_SAMPLES):
+        gate.add(key, GateSample(0.5, 1.0), queued=False)
+    first = [SYSTEM, Segment(DOCS[2]), Segment(DOCS[0]), QUESTION]
+    _ask(llm, [SYSTEM, *map(Segment, DOCS), QUESTION], options)
+    before = _ask(llm, first, options)
+    assert _ask(llm, [*first, FOLLOW_UP], options).metrics.repair_fallback
+    # Samples that say the cell is exact replace the others: the first turn, sent again, inherits its own
+    # cached KV (all but its last token) and keeps it, the same logits, not a full prefill's.
+    for _ in range(MAX_SAMPLES):
+        gate.add(key, GateSample(0.5, 0.0), queued=False)
+    again = _ask(llm, first, options)
+    assert not again.metrics.repair_fallback
+    assert again.metrics.prefix_hit_tokens == HIT - 1
+    assert kl_divergence(before.first_logits, again.first_logits) < 1e-9
+    want = LLM(model=str(model_dir), **{**SETTINGS, "prefix_cache": "off"}).generate(
+        [[*SYSTEM, *DOCS[2], *DOCS[0], *QUESTION]], FIRST
+    )[0]
+    assert kl_divergence(want.first_logits, again.first_logits) > 1e-4, "the cached KV is approximate"

@@ -102,45 +102,37 @@ class AttentionRepair(RepairPolicy):
     docs/design.md gives the measurements that chose it."""
 
     name = "attention"
-    repairs_inherited = True
 
     def decide(self, task: RepairTask) -> RepairDecision:
         def probe(stale: tuple[int, ...]) -> Probe:
             assert task.model is not None, "the lead policy needs the model's layer types"
             return question_probe(task, max(probe_layers(task.model)))
 
-        return probe_unless_settled(task, probe, task.stale())
+        return probe_unless_settled(task, probe)
 
     def choose(self, task: RepairTask, probe: Probe, logits: torch.Tensor | None) -> tuple[int, ...]:
         assert isinstance(probe.observer, QueryAttentionObserver)
-        return attention_choice(task.plan, probe.observer.score, task.budget, task.inherited)
+        return attention_choice(task.plan, probe.observer.score, task.budget)
 
 
-def attention_choice(
-    plan: Plan, score: torch.Tensor, budget: int, inherited: tuple[int, ...] = ()
-) -> tuple[int, ...]:
-    """`lead`'s choice of `budget` positions (sorted) from the question's attention `score` [prompt
-    tokens], among the plan's stale ones and the `inherited` (RepairTask.inherited: a chat turn's
-    history, spliced for an earlier turn, ranks by this question's attention like the rest). Nested: the
-    choice at a budget holds the choice at every smaller one (the first segment's share, budget // 2,
-    only grows; the rest are the best remaining by score)."""
+def attention_choice(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]:
+    """`lead`'s choice of `budget` spliced positions (sorted) from the question's attention `score`
+    [prompt tokens]. Nested: the choice at a budget holds the choice at every smaller one (the first
+    segment's share, budget // 2, only grows; the rest are the best remaining by score)."""
     score = score.clone()
-    spliced = plan.spliced()
-    first = spliced[0] if spliced else None
-    if first is not None and first.segment == 0 and not first.lead_kv:
+    first = plan.spliced()[0]
+    if first.segment == 0 and not first.lead_kv:
         part = score[first.start : first.end]
         lead = part.topk(min(len(part), int(FIRST_SEGMENT_SHARE * budget))).indices + first.start
         # Above every other token (attention mass is finite and >= 0), in the question's order.
         score[lead] += score.max() + 1
-    return most_attended(plan, score, budget, inherited)
+    return most_attended(plan, score, budget)
 
 
-def most_attended(
-    plan: Plan, score: torch.Tensor, budget: int, inherited: tuple[int, ...] = ()
-) -> tuple[int, ...]:
-    """The `budget` stale spliced or `inherited` positions (sorted) with the highest `score` [prompt
-    tokens]. Never a token spliced from lead KV computed after the same head: the question attends to the
-    prompt's first segment much, and its exact KV would only be computed again (plan.stale())."""
-    stale = torch.tensor([*inherited, *plan.stale()], dtype=torch.long)
+def most_attended(plan: Plan, score: torch.Tensor, budget: int) -> tuple[int, ...]:
+    """The `budget` stale spliced positions (sorted) with the highest `score` [prompt tokens]. Never a
+    token spliced from lead KV computed after the same head: the question attends to the prompt's first
+    segment much, and its exact KV would only be computed again (plan.stale())."""
+    stale = torch.tensor(plan.stale(), dtype=torch.long)
     top = torch.topk(score[stale], min(budget, len(stale))).indices
     return tuple(sorted(stale[top].tolist()))

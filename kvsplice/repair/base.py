@@ -42,13 +42,8 @@ class RepairTask:
     # After the policy is done: below this first-token margin, recompute every stale token (RepairRun).
     fallback_margin: float = 0.0
     # Prefix positions whose KV an earlier request spliced (a prefix hit under segment keys) and that
-    # lie in blocks the request owns: a policy that `repairs_inherited` may recompute them as it does
-    # spliced ones, and a fallback recomputes them too, so that its result is exact.
+    # lie in blocks the request owns: a fallback recomputes them too, so that its result is exact.
     inherited: tuple[int, ...] = ()
-
-    def stale(self) -> tuple[int, ...]:
-        """The positions repair may recompute, sorted: the inherited ones, then the plan's stale ones."""
-        return (*self.inherited, *self.plan.stale())
 
 
 @dataclass(frozen=True)
@@ -82,9 +77,6 @@ class RepairPolicy(ABC):
     # Whether the request's budget (ratio or tokens) bounds the policy; else it may recompute every
     # reused token and stops by its quality target.
     budgeted: ClassVar[bool] = True
-    # Whether it chooses among inherited positions too (RepairTask.stale()), their count adding to the
-    # budget; else among the plan's stale ones only.
-    repairs_inherited: ClassVar[bool] = False
 
     @abstractmethod
     def decide(self, task: RepairTask) -> RepairDecision:
@@ -101,13 +93,11 @@ class RepairPolicy(ABC):
         return None
 
 
-def probe_unless_settled(
-    task: RepairTask, probe: Callable[[tuple[int, ...]], Probe], stale: tuple[int, ...] | None = None
-) -> RepairDecision:
-    """A probing policy's decision: nothing where no token is `stale` (default plan.stale()) or the
-    budget is 0, every stale token where the budget covers them all (no probe could choose otherwise),
-    else `probe(stale)`."""
-    stale = tuple(task.plan.stale()) if stale is None else stale
+def probe_unless_settled(task: RepairTask, probe: Callable[[tuple[int, ...]], Probe]) -> RepairDecision:
+    """A probing policy's decision: nothing where no token is stale (plan.stale()) or the budget is 0,
+    every stale token where the budget covers them all (no probe could choose otherwise), else
+    `probe(stale)`."""
+    stale = tuple(task.plan.stale())
     if not stale or task.budget <= 0:
         return RepairDecision()
     if task.budget >= len(stale):

@@ -302,8 +302,9 @@ class ReusePath:
         spliced = plan.tokens(SpanKind.SPLICED)
         # A prefix hit under segment keys that ends past where the keys start holds an earlier request's
         # spliced KV there, repaired for that request. Where it lies in the request's own blocks (copied
-        # at admission), repair may recompute it again for this one, and a fallback does; otherwise (no
-        # memory to copy it) the prefix stays approximate.
+        # at admission) a fallback recomputes it; otherwise (no memory to copy it) the prefix stays
+        # approximate. Repair leaves it as it is: recomputing a share of it again for the new question
+        # did not bring later turns closer to a full prefill (docs/design.md).
         inherited: tuple[int, ...] = ()
         approximate_prefix = approximate_from is not None and prefix_hit > approximate_from
         if approximate_prefix and approximate_from is not None and approximate_from >= own_from:
@@ -313,11 +314,9 @@ class ReusePath:
         gate_margin = (
             self.gate.margin(gate_key) if self.gate is not None and shape and not policy.exact else 0.0
         )
-        # The heads of found spans (plan.heads) were reused tokens: they count toward the budget, as do
-        # inherited tokens for a policy that repairs them.
-        again = len(inherited) if policy.repairs_inherited else 0
+        # The heads of found spans (plan.heads) were reused tokens: they count toward the budget.
         budget = (
-            max(0, budget_tokens(spliced + plan.heads + again, settings.ratio) - plan.heads)
+            max(0, budget_tokens(spliced + plan.heads, settings.ratio) - plan.heads)
             if policy.budgeted
             else spliced
         )

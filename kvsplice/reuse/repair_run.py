@@ -29,8 +29,6 @@ class RepairRun:
         plan, layers = task.plan, task.num_layers
         spliced = set(plan.positions(SpanKind.SPLICED))
         self._spliced = spliced
-        # What a policy may recompute: spliced positions, and inherited ones (RepairTask.inherited).
-        candidates = spliced | set(task.inherited)
         self._compute = plan.positions(SpanKind.COMPUTE)
         # Each reused segment's approximate positions (lead KV is exact), for the segment shift; and,
         # per layer, the spliced positions some pass has recomputed there.
@@ -51,7 +49,7 @@ class RepairRun:
         self._queued: Pass | None = None
         probe = self.decision.probe
         if probe is None:
-            assert set(self.decision.recompute) <= candidates, "a policy recomputes only reused tokens"
+            assert set(self.decision.recompute) <= spliced, "a policy recomputes only spliced tokens"
             assert len(self.decision.recompute) <= task.budget or policy.exact, (
                 f"{policy.name} recomputes {len(self.decision.recompute)} > {task.budget}"
             )
@@ -77,7 +75,7 @@ class RepairRun:
         self.recomputed = chosen
         rest = self._pass(_union(self._compute, chosen), range(probe.last_layer + 1, self.task.num_layers))
         if not probe.resume:
-            assert set(chosen) <= {*self._spliced, *self.task.inherited}
+            assert set(chosen) <= self._spliced
             if not rest.layers:
                 # The probe ran every layer (the adaptive policy's first estimate): a round of repair
                 # from the first layer, as `refine` asks for.
