@@ -26,6 +26,8 @@ FOLLOW_UP = [rng.randrange(1, 320) for _ in range(13)]
 # The next turn's prefix hit: the first turn's prompt (the radix cache matches to the token).
 HIT = len(SYSTEM) + 80 + len(QUESTION)
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, return_first_logits=True)
+# Unrepaired splicing: inherited KV far enough from a full prefill to tell apart.
+OPTIONS = RequestOptions(repair="none")
 SETTINGS = {"block_size": 8, "kv_cache_gb": 0.01, "num_threads": 1, "prefix_cache": "radix"}
 
 
@@ -36,21 +38,33 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def _turns(llm: LLM, options: RequestOptions) -> Any:
+def _turns(llm: LLM) -> Any:
     """Store the documents, splice them in a new order (the first turn), then send the next turn;
     returns the next turn's output."""
-    _ask(llm, [SYSTEM, *map(Segment, DOCS), QUESTION], options)
+    _ask(llm, [SYSTEM, *map(Segment, DOCS), QUESTION])
     first = [SYSTEM, Segment(DOCS[2]), Segment(DOCS[0]), QUESTION]
-    out = _ask(llm, first, options)
+    out = _ask(llm, first)
     assert out.metrics.segment_hit_tokens == 80, "the first turn splices both documents"
-    return _ask(llm, [*first, FOLLOW_UP], options)
+    return _ask(llm, [*first, FOLLOW_UP])
 
 
-def _ask(llm: LLM, prompt: list, options: RequestOptions) -> Any:
-    out = llm.generate([prompt], FIRST, options)[0]
+def _ask(llm: LLM, prompt: list) -> Any:
+    out = llm.generate([prompt], FIRST, OPTIONS)[0]
     while llm.engine.has_unfinished():
         llm.engine.step()
     return out
+
+
+def _distrusting(model_dir: Path) -> tuple[LLM, str]:
+    """An engine whose gate has samples that say the inherited-prefix cell (unrepaired) is far from a
+    full prefill: its requests fall back. Returns the engine and the cell's key."""
+    llm = LLM(model=str(model_dir), fidelity_target=1e-9, audit_ratio=0.0, **SETTINGS)
+    gate = llm.engine.gate
+    assert gate is not None
+    key = gate_cell("inherited prefix", "none", llm.engine.config.recompute_ratio)
+    for _ in range(MIN_SAMPLES):
+        gate.add(key, GateSample(0.5, 1.0), queued=False)
+    return llm, key
 
 
 def _full(model_dir: Path) -> Any:
@@ -61,15 +75,8 @@ def _full(model_dir: Path) -> Any:
 def test_a_fallback_after_an_inherited_prefix_is_a_full_prefill(model_dir: Path) -> None:
     # The next turn's hit is the first turn's prompt (9 + 80 + 6 tokens), its spliced KV over several
     # whole blocks of 8: shared with the cache unless admission copies it.
-    llm = LLM(model=str(model_dir), fidelity_target=1e-9, audit_ratio=0.0, **SETTINGS)
-    options = RequestOptions(repair="none")
-    gate = llm.engine.gate
-    assert gate is not None
-    # The inherited-prefix cell's audits say it is far from a full prefill: its requests fall back.
-    key = gate_cell("inherited prefix", "none", llm.engine.config.recompute_ratio)
-    for _ in range(MIN_SAMPLES):
-        gate.add(key, GateSample(0.5, 1.0), queued=False)
-    got = _turns(llm, options)
+    llm, _ = _distrusting(model_dir)
+    got = _turns(llm)
     assert got.metrics.prefix_hit_tokens == HIT and got.metrics.segment_hit_tokens == 0
     assert got.metrics.repair_fallback, "the gate judges a turn that only inherits"
     want = _full(model_dir)
@@ -77,22 +84,17 @@ def test_a_fallback_after_an_inherited_prefix_is_a_full_prefill(model_dir: Path)
 
 
 def test_a_fallback_leaves_the_cached_kv_other_turns_inherit_as_it_was(model_dir: Path) -> None:
-    llm = LLM(model=str(model_dir), fidelity_target=1e-9, audit_ratio=0.0, **SETTINGS)
-    options = RequestOptions(repair="none")
-    gate = llm.engine.gate
-    assert gate is not None
-    key = gate_cell("inherited prefix", "none", llm.engine.config.recompute_ratio)
-    for _ in range(MIN_SAMPLES):
-        gate.add(key, GateSample(0.5, 1.0), queued=False)
+    llm, key = _distrusting(model_dir)
     first = [SYSTEM, Segment(DOCS[2]), Segment(DOCS[0]), QUESTION]
-    _ask(llm, [SYSTEM, *map(Segment, DOCS), QUESTION], options)
-    before = _ask(llm, first, options)
-    assert _ask(llm, [*first, FOLLOW_UP], options).metrics.repair_fallback
+    _ask(llm, [SYSTEM, *map(Segment, DOCS), QUESTION])
+    before = _ask(llm, first)
+    assert _ask(llm, [*first, FOLLOW_UP]).metrics.repair_fallback
     # Samples that say the cell is exact replace the others: the first turn, sent again, inherits its own
     # cached KV (all but its last token) and keeps it, the same logits, not a full prefill's.
+    assert llm.engine.gate is not None
     for _ in range(MAX_SAMPLES):
-        gate.add(key, GateSample(0.5, 0.0), queued=False)
-    again = _ask(llm, first, options)
+        llm.engine.gate.add(key, GateSample(0.5, 0.0), queued=False)
+    again = _ask(llm, first)
     assert not again.metrics.repair_fallback
     assert again.metrics.prefix_hit_tokens == HIT - 1
     assert kl_divergence(before.first_logits, again.first_logits) < 1e-9
