@@ -45,11 +45,12 @@ Z = 2.0
 
 def prompt_shape(plan: Plan, inherited: int = 0) -> str:
     """A prompt's coarse shape: how many reused segments, how long they are on average (tokens), and
-    whether marked or found without markup; then whether it extends an earlier request's spliced KV
-    (`inherited` tokens of it, a chat turn's history). Few-shot examples and retrieved passages differ
-    in it, and so do first turns and later ones. "" where nothing is reused but exact KV."""
+    whether marked or found without markup. Few-shot examples and retrieved passages differ in it. A
+    prompt that splices nothing but extends an earlier request's spliced KV (`inherited` tokens of it,
+    a chat turn's history) is an "inherited prefix"; one that does both has the shape of what it
+    splices (a cell of its own would cost another calibration, and in chat such turns were as close
+    as other splices of their shape: docs/design.md). "" where nothing is reused but exact KV."""
     spliced = plan.spliced()
-    after = ", inherited" if inherited else ""
     if not spliced:
         return "inherited prefix" if inherited else ""
     marked = {s.segment for s in spliced if not s.discovered}
@@ -59,7 +60,7 @@ def prompt_shape(plan: Plan, inherited: int = 0) -> str:
     mean = sum(len(s) for s in spliced) / max(1, n)
     size = "<128" if mean < 128 else "128-511" if mean < 512 else "512+"
     kind = "marked" if not found else "found" if not marked else "both"
-    return f"{count} x {size} {kind}{after}"
+    return f"{count} x {size} {kind}"
 
 
 def gate_cell(shape: str, policy: str, ratio: float) -> str:
