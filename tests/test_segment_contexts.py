@@ -16,6 +16,7 @@ from kvsplice.kv.allocator import BlockAllocator
 from kvsplice.prompt import parse_prompt
 from kvsplice.reuse import segment_kv
 from kvsplice.reuse.segment_kv import ContextPiece, sample_context
+from tests.test_store_support import segment_files
 
 DOCS = [
     "The Larkspur Observatory\nThe Larkspur Observatory stands on a ridge above the town of Emmerich. "
@@ -219,4 +220,4 @@ def test_closing_before_the_contexts_still_writes_the_segment(default_model_dir,
     llm.generate([_prompt(0)], ONE)
     assert llm.engine.background.busy
     llm.close()
-    assert len(list(tmp_path.glob("*.kv"))) == 1
+    assert len(segment_files(tmp_path)) == 1

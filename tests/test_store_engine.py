@@ -23,7 +23,7 @@ from kvsplice.tiers import router_block_hashes, segment_hash
 from kvsplice.tiers.config import StoreConfig
 from tests import tiny_models
 from tests.test_store_events import decode_batch
-from tests.test_store_support import RedisServer
+from tests.test_store_support import RedisServer, segment_files
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, return_first_logits=True)
 rng = random.Random(13)
@@ -124,7 +124,7 @@ def test_a_segment_outlives_its_engine_on_disk(model_dir: Path, tmp_path: Path) 
     want = run(a, [1, 0])
     assert want.metrics.segment_hit_tokens > 0 and not want.metrics.store_hit_tokens
     a.close()
-    assert len(list((tmp_path / "store").glob("*.kv"))) == 2
+    assert len(segment_files(tmp_path / "store")) == 2
 
     b = make_llm(model_dir, store={"store_dir": store})
     got = run(b, [1, 0])
@@ -153,7 +153,7 @@ def test_closing_right_after_the_first_request_still_writes_its_segments(
     a.generate([prompt([0, 1])], SamplingParams(max_tokens=1, temperature=0.0))
     assert a.engine.background.busy
     a.close()
-    assert len(list((tmp_path / "store").glob("*.kv"))) == 2
+    assert len(segment_files(tmp_path / "store")) == 2
     got = run(make_llm(model_dir, store={"store_dir": str(tmp_path / "store")}), [1, 0])
     assert got.metrics.store_hit_tokens == {"disk": len(DOCS[0]) + len(DOCS[1])}
 
@@ -165,7 +165,7 @@ def test_a_float16_store_halves_the_entries_and_serves_close_kv(model_dir: Path,
         run(a, [0, 1])
         want = run(a, [1, 0])
         a.close()
-        sizes[dtype] = sum(f.stat().st_size for f in (tmp_path / dtype).glob("*.kv"))
+        sizes[dtype] = sum(f.stat().st_size for f in segment_files(tmp_path / dtype))
         got = run(make_llm(model_dir, store={"store_dir": str(tmp_path / dtype)}), [1, 0])
         assert got.metrics.store_hit_tokens == {"disk": len(DOCS[0]) + len(DOCS[1])}
         assert got.first_logits is not None and want.first_logits is not None
@@ -200,7 +200,7 @@ def test_a_corrupt_entry_is_deleted_counted_and_recomputed(model_dir: Path, tmp_
     a = make_llm(model_dir, store={"store_dir": str(store)})
     run(a, [0, 1])
     a.close()
-    files = sorted(store.glob("*.kv"))
+    files = segment_files(store)
     assert len(files) == 2
     flipped = bytearray(files[0].read_bytes())
     flipped[len(flipped) // 2] ^= 0x01
@@ -216,7 +216,7 @@ def test_a_corrupt_entry_is_deleted_counted_and_recomputed(model_dir: Path, tmp_
     assert_same_output(got, run(make_llm(model_dir), [1, 0]))
     b.close()
     # The corrupt files were replaced by the segments B computed and wrote through.
-    assert len(list(store.glob("*.kv"))) == 2
+    assert len(segment_files(store)) == 2
 
 
 def test_redis_killed_mid_run_changes_no_output_and_the_engine_reconnects(

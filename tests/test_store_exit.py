@@ -15,7 +15,7 @@ import pytest
 from kvsplice import LLM, SamplingParams, Segment
 from kvsplice.bench.server_process import serve
 from tests import tiny_models
-from tests.test_store_support import RedisServer
+from tests.test_store_support import RedisServer, segment_files
 
 SYSTEM = [11, 12, 13]
 DOCS = [[20 + 7 * d + i % 5 for i in range(60)] for d in range(4)]
@@ -78,7 +78,7 @@ def test_a_with_block_writes_what_it_owes(model_dir: Path, tmp_path: Path) -> No
         llm.generate([[SYSTEM, *(Segment(d) for d in DOCS), QUESTION]], ONE)
         # The copies into the store wait for the engine's next steps: nothing is on disk yet.
         assert llm.engine.stats().background_queued > 0
-    assert len(list((tmp_path / "store").glob("*.kv"))) == len(DOCS)
+    assert len(segment_files(tmp_path / "store")) == len(DOCS)
     llm.close()  # again: nothing more
     assert _reordered(model_dir, store, "disk") >= 0.8
 
@@ -101,5 +101,5 @@ def test_a_server_stopped_with_sigterm_writes_what_it_owes(model_dir: Path, tmp_
         reply = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
         assert reply.status_code == 200
     # serve() sent SIGTERM: the server shut down and wrote every segment before it exited.
-    assert len(list(store.glob("*.kv"))) == len(DOCS)
+    assert len(segment_files(store)) == len(DOCS)
     assert _reordered(model_dir, {"store_dir": str(store)}, "disk") >= 0.8

@@ -55,6 +55,11 @@ def assert_same_kv(a: SegmentKV, b: SegmentKV) -> None:
             assert torch.equal(x.k, y.k) and torch.equal(x.v, y.v)
 
 
+def segment_files(directory: Path) -> list[Path]:
+    """The disk tier's segment entries in `directory`, sorted (not the trust gate's record beside them)."""
+    return sorted(p for p in directory.glob("*.kv") if not p.name.startswith("gate-"))
+
+
 class RedisServer:
     """redis-server on 127.0.0.1:port, no persistence, started and stopped by the test."""
 

@@ -17,7 +17,6 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Hashable, Mapping
-from pathlib import Path
 
 import torch
 
@@ -28,6 +27,7 @@ from kvsplice.config import EngineConfig
 from kvsplice.engine.auditor import Auditor
 from kvsplice.engine.background import BackgroundWork
 from kvsplice.engine.block_manager import BlockManager
+from kvsplice.engine.gate_sync import GateSync
 from kvsplice.engine.output import OutputProcessor, StepOutput
 from kvsplice.engine.request import Request, Status
 from kvsplice.engine.scheduler import Scheduler, StepBatch
@@ -91,13 +91,12 @@ class Engine:
             store = TieredStore.from_config(config.store, fingerprint)
             self.lower = LowerTiers(store, self.segment_store, self.pool)
         self.gate = TrustGate(config.fidelity_target) if config.fidelity_target > 0 else None
-        # With a disk tier, the gate's samples are kept beside the segments, per model and KV format.
-        self._gate_file: Path | None = None
-        if self.gate is not None and self.lower is not None and config.store and config.store.store_dir:
-            digest = self.lower.store.fingerprint.digest.hex()[:16]
-            self._gate_file = Path(config.store.store_dir) / f"gate-{digest}.json"
-            if self._gate_file.exists():
-                self.gate.load(self._gate_file)
+        # With tiers below, the gate's samples are kept there, beside the segments, and shared.
+        self._gate_sync = (
+            GateSync(self.gate, self.lower.store)
+            if self.gate is not None and self.lower is not None
+            else None
+        )
         self.reuse = ReusePath(
             self.runner, self.pool, self.segment_store, self.prefix_cache, finder, self.lower, self.gate
         )
@@ -263,6 +262,8 @@ class Engine:
             self.background.fill(batch.background_tokens)
         if self.events is not None:
             self.events.flush()
+        if self._gate_sync is not None:
+            self._gate_sync.tick()
         return outputs
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -282,8 +283,8 @@ class Engine:
             return
         self._closed = True
         self.background.copy()
-        if self.gate is not None and self._gate_file is not None:
-            self.gate.save(self._gate_file)
+        if self._gate_sync is not None:
+            self._gate_sync.sync()
         if self.lower is not None:
             self.lower.close()
         if self.events is not None:

@@ -15,9 +15,11 @@ A cell calibrates until it has MIN_SAMPLES samples of requests it splices: every
 meanwhile (a spliced one in the background, counted with the rest of that work; one that fell back is
 its own full prefill, a free sample), so every request is a sample and the samples stay a fair draw of
 the cell's traffic. Its first requests are spliced (no threshold before MIN_SAMPLES samples), served
-as fast as the rest. With a disk tier the samples
-outlive the engine: written beside the stored segments at close, read at the next start of the same
-model (`save`, `load`), so a restarted engine does not calibrate again. The gate is plain Python.
+as fast as the rest. With tiers below the pool the samples are kept there, beside the stored segments
+(engine/gate_sync.py): a restarted engine does not calibrate again, and replicas that share a Redis
+share their samples, so a shape calibrates once, not once per replica. Each sample carries where and
+when it was taken (`to_bytes`, `merge`), so merging what another replica wrote never counts a sample
+twice. The gate is plain Python.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
+import secrets
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvsplice.plan import Plan
 
@@ -108,10 +110,20 @@ class GateCell:
 class _Cell:
     def __init__(self) -> None:
         self.samples: deque[GateSample] = deque(maxlen=MAX_SAMPLES)
+        # Per sample, where and when it was taken: (nanoseconds, the gate that took it).
+        self.ids: deque[tuple[int, int]] = deque(maxlen=MAX_SAMPLES)
         self.pending = 0
         self.threshold: float | None = None
         self.fallbacks = 0
         self.fallback_tokens = 0
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What `TrustGate.merge` did: samples it took, and samples of its own the data lacked."""
+
+    taken: int
+    missing: int
 
 
 class TrustGate:
@@ -122,6 +134,11 @@ class TrustGate:
         assert target > 0, "a gate needs a positive target (fidelity_target 0 means no gate)"
         self.target = target
         self._cells: dict[str, _Cell] = {}
+        # Names this gate's samples among other replicas' (random: replicas share no counter).
+        self.origin = secrets.randbits(62)
+        self._last_stamp = 0
+        # Samples this gate took itself, so far.
+        self.taken = 0
 
     def margin(self, key: str) -> float:
         """The fallback margin for a request of this cell: 0 (splice) while the cell calibrates."""
@@ -156,7 +173,11 @@ class TrustGate:
         if queued:
             assert c.pending > 0
             c.pending -= 1
+        # Nanoseconds, strictly increasing: two samples of one gate never share an id.
+        self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
         c.samples.append(sample)
+        c.ids.append((self._last_stamp, self.origin))
+        self.taken += 1
         self._refresh(c)
 
     def fell_back(self, key: str, tokens: int) -> None:
@@ -178,34 +199,51 @@ class TrustGate:
             for key, c in sorted(self._cells.items())
         )
 
-    def save(self, path: Path) -> None:
-        """Write every cell's samples (atomically: a reader sees the old file or the new one)."""
-        cells = {key: [[s.margin, s.kl] for s in c.samples] for key, c in self._cells.items() if c.samples}
-        temp = path.with_name(path.name + ".part")
-        temp.write_text(json.dumps({"version": 1, "cells": cells}))
-        os.replace(temp, path)
+    def to_bytes(self) -> bytes:
+        """Every cell's samples, with where and when each was taken (what `merge` reads)."""
+        cells = {
+            key: [
+                [s.margin, s.kl, stamp, origin] for s, (stamp, origin) in zip(c.samples, c.ids, strict=True)
+            ]
+            for key, c in self._cells.items()
+            if c.samples
+        }
+        return json.dumps({"version": 2, "cells": cells}).encode()
 
-    def load(self, path: Path) -> int:
-        """Take the samples a saved gate wrote, before any of this engine's; returns how many. A file that
-        cannot be read is logged and ignored (the cells calibrate again), never trusted in part."""
+    def merge(self, data: bytes) -> Merged:
+        """Take the samples in `data` (another gate's `to_bytes`, or this one's earlier) that this gate
+        lacks; per cell the MAX_SAMPLES most recent are kept. Data that cannot be read is logged and
+        ignored, never trusted in part."""
         try:
-            data = json.loads(path.read_text())
-            assert data["version"] == 1
+            raw = json.loads(data)
+            assert raw["version"] == 2
             cells = {
-                str(key): [GateSample(float(m), float(k)) for m, k in samples]
-                for key, samples in data["cells"].items()
+                str(key): [
+                    (GateSample(float(m), float(k)), (int(stamp), int(origin)))
+                    for m, k, stamp, origin in rows
+                ]
+                for key, rows in raw["cells"].items()
             }
-            assert all(s.margin >= 0 and s.kl >= 0 for samples in cells.values() for s in samples)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-            log.warning("trust gate samples in %s not used (%s): its cells calibrate again", path, e)
-            return 0
-        assert not self._cells, "samples are loaded into a new gate"
-        for key, samples in cells.items():
+            assert all(s.margin >= 0 and s.kl >= 0 for rows in cells.values() for s, _ in rows)
+        except (ValueError, KeyError, TypeError, AssertionError) as e:
+            log.warning("trust gate samples not used (%s): they are not the gate's", e)
+            return Merged(0, 0)
+        taken = 0
+        for key, rows in cells.items():
+            c = self._cells.setdefault(key, _Cell())
+            have = set(c.ids)
+            new = [(i, s) for s, i in rows if i not in have]
+            if not new:
+                continue
+            taken += len(new)
             # One threshold per cell, from all its samples (not one per sample: O(n^2) each).
-            c = self._cells[key] = _Cell()
-            c.samples.extend(samples)
+            kept = sorted([*zip(c.ids, c.samples, strict=True), *dict(new).items()])[-MAX_SAMPLES:]
+            c.ids = deque((i for i, _ in kept), maxlen=MAX_SAMPLES)
+            c.samples = deque((s for _, s in kept), maxlen=MAX_SAMPLES)
             self._refresh(c)
-        return sum(len(c.samples) for c in self._cells.values())
+        theirs = {i for rows in cells.values() for _, i in rows}
+        mine = {i for c in self._cells.values() for i in c.ids}
+        return Merged(taken, len(mine - theirs))
 
     def _refresh(self, c: _Cell) -> None:
         """The cell's threshold, once it has MIN_SAMPLES samples."""

@@ -129,6 +129,21 @@ class TieredStore:
         for writer in self._writers:
             writer.submit(key, payload)
 
+    def blobs(self, key: str) -> list[bytes]:
+        """What each tier holds under `key` (not a segment entry: small shared state, such as the trust
+        gate's samples), fastest tier first; blocks for at most the tiers' timeouts."""
+        found = []
+        for tier in self.tiers:
+            data = tier.get(key)
+            if data is not None:
+                found.append(bytes(data))
+        return found
+
+    def put_blob(self, key: str, data: bytes) -> None:
+        """Write `data` under `key` to every tier in the background (`blobs` reads it back)."""
+        for writer in self._writers:
+            writer.submit(key, Payload.ready(data))
+
     def stats(self) -> dict[str, TierStats]:
         """A snapshot per tier, by tier name."""
         return {tier.name: tier.counters.snapshot() for tier in self.tiers}
