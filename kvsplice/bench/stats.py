@@ -49,10 +49,15 @@ def paired_difference(pairs: Sequence[tuple[bool, bool]], z: float = Z95) -> Int
     of the paired outcomes; None without pairs."""
     if not pairs:
         return None
+    return _paired_counts(*_outcomes(pairs), z)
+
+
+def _outcomes(pairs: Sequence[tuple[bool, bool]]) -> tuple[int, int, int, int]:
+    """How many pairs are (both, first only, second only, neither)."""
     both = sum(1 for x, y in pairs if x and y)
     first_only = sum(1 for x, y in pairs if x and not y)
     second_only = sum(1 for x, y in pairs if y and not x)
-    return _paired_counts(both, first_only, second_only, len(pairs) - both - first_only - second_only, z)
+    return both, first_only, second_only, len(pairs) - both - first_only - second_only
 
 
 def _paired_counts(both: float, first_only: float, second_only: float, neither: float, z: float) -> Interval:
@@ -89,17 +94,13 @@ def requests_to_show(pairs: Sequence[tuple[bool, bool]], floor: float, z: float 
     if not pairs:
         return None
     n0 = len(pairs)
-    counts = (
-        sum(1 for x, y in pairs if x and y),
-        sum(1 for x, y in pairs if x and not y),
-        sum(1 for x, y in pairs if y and not x),
-    )
+    counts = _outcomes(pairs)
     if (counts[1] - counts[2]) / n0 <= floor:
         return None
 
     def shows(n: int) -> bool:
-        both, first, second = (c * n / n0 for c in counts)
-        return _paired_counts(both, first, second, n - both - first - second, z).low >= floor
+        both, first, second, neither = (c * n / n0 for c in counts)
+        return _paired_counts(both, first, second, neither, z).low >= floor
 
     high = n0
     while not shows(high):

@@ -68,17 +68,13 @@ class BlockManager:
         # shared and only partly ours), and, where the hit holds an earlier request's spliced KV (past
         # where the segment keys start), every block from there on, so that repair may recompute it
         # (copy on write). Copying those takes memory: without it to spare they stay shared, approximate.
-        own_from = len(table) - (1 if hit.num_tokens % bs else 0)
+        partial_from = own_from = len(table) - (1 if hit.num_tokens % bs else 0)
         if keys.approximate_from is not None and hit.num_tokens > keys.approximate_from:
             own_from = min(own_from, keys.approximate_from // bs)
-        fresh = None
-        for first in dict.fromkeys((own_from, len(table) - (1 if hit.num_tokens % bs else 0))):
-            try:
-                fresh = self.allocator.allocate(needed - first)
-            except OutOfBlocksError:
-                continue
-            own_from = first
-            break
+        fresh = self._allocate(needed - own_from)
+        if fresh is None and own_from < partial_from:
+            own_from = partial_from
+            fresh = self._allocate(needed - own_from)
         if fresh is None:
             seq.block_table = table
             self.prefix_cache.release(seq)
@@ -95,6 +91,13 @@ class BlockManager:
             fresh = fresh[len(copies) :]
         seq.block_table = table + fresh
         return Admission(hit.num_tokens, keys.approximate_from, own_from * bs)
+
+    def _allocate(self, n: int) -> list[int] | None:
+        """n fresh blocks, or None if memory is short."""
+        try:
+            return self.allocator.allocate(n)
+        except OutOfBlocksError:
+            return None
 
     def computed(self, request: Request) -> None:
         """The request's written KV grew (its prefill finished, or a decode step ran)."""
