@@ -27,7 +27,9 @@ from tests.test_store_support import RedisServer
 
 pytestmark = pytest.mark.slow
 
-FLAGS = ["--kv-cache-gb", "0.25", "--num-threads", "1"]
+# No trust gate: replicas behind one Redis share its calibration, so which requests fall back would
+# depend on when they merge, and the answers are compared token for token with a full prefill's.
+FLAGS = ["--kv-cache-gb", "0.25", "--num-threads", "1", "--fidelity-target", "0"]
 TOPICS = ["river", "mountain", "desert", "forest", "glacier", "volcano", "canyon", "lagoon"]
 # About 120 tokens each: the passages are most of a prompt, as in RAG.
 DOCS = [
