@@ -102,3 +102,44 @@ def test_a_fallback_leaves_the_cached_kv_other_turns_inherit_as_it_was(model_dir
         [[*SYSTEM, *DOCS[2], *DOCS[0], *QUESTION]], FIRST
     )[0]
     assert kl_divergence(want.first_logits, again.first_logits) > 1e-4, "the cached KV is approximate"
+
+
+def test_without_memory_to_copy_an_inherited_prefix_stays_shared_and_unchanged(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where memory is short for the copy, the turn keeps the inherited blocks shared: it is served from
+    them as an engine without a gate would serve it (a fallback could not recompute them in place), and
+    the cached KV other turns inherit stays as it was. The shortage is made by refusing any allocation
+    of more blocks than a copy of only the partial last block takes."""
+    llm, key = _distrusting(model_dir)
+    first = [SYSTEM, Segment(DOCS[2]), Segment(DOCS[0]), QUESTION]
+    _ask(llm, [SYSTEM, *map(Segment, DOCS), QUESTION])
+    before = _ask(llm, first)
+    bs = SETTINGS["block_size"]
+    # The next turn's blocks from the partial last one of its hit on: 108 prompt tokens + 1 generated.
+    partial_copy = -(-(HIT + len(FOLLOW_UP) + 1) // bs) - HIT // bs
+    allocate = llm.engine.blocks._allocate
+    asked: list[int] = []
+
+    def short(n: int) -> list[int] | None:
+        asked.append(n)
+        return allocate(n) if n <= partial_copy else None
+
+    monkeypatch.setattr(llm.engine.blocks, "_allocate", short)
+    got = _ask(llm, [*first, FOLLOW_UP])
+    monkeypatch.undo()
+    assert asked[0] > partial_copy and asked[-1] == partial_copy, "copy refused, partial copy taken"
+    assert got.metrics.prefix_hit_tokens == HIT and not got.metrics.repair_fallback
+
+    ungated = LLM(model=str(model_dir), fidelity_target=0.0, **SETTINGS)
+    _ask(ungated, [SYSTEM, *map(Segment, DOCS), QUESTION])
+    _ask(ungated, first)
+    want = _ask(ungated, [*first, FOLLOW_UP])
+    assert kl_divergence(want.first_logits, got.first_logits) < 1e-9
+    # As above: with the cell trusted, the first turn sent again is served from its cached KV.
+    assert llm.engine.gate is not None
+    for _ in range(MAX_SAMPLES):
+        llm.engine.gate.add(key, GateSample(0.5, 0.0), queued=False)
+    again = _ask(llm, first)
+    assert not again.metrics.repair_fallback and again.metrics.prefix_hit_tokens == HIT - 1
+    assert kl_divergence(before.first_logits, again.first_logits) < 1e-9, "the shared KV was not written"

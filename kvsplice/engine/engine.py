@@ -40,7 +40,6 @@ from kvsplice.models.build import load_model
 from kvsplice.models.runner import DecodeItem, ModelRunner
 from kvsplice.options import RequestOptions
 from kvsplice.outputs import RequestOutput
-from kvsplice.plan import SpanKind
 from kvsplice.prompt import Prompt, parse_prompt
 from kvsplice.repair.gate import TrustGate
 from kvsplice.reuse import segment_kv
@@ -350,19 +349,7 @@ class Engine:
         assert logits is not None
         request.kv_len = request.num_prompt_tokens
         self.blocks.computed(request)
-        plan, m = prefill.plan, request.metrics
-        m.prompt_tokens = request.num_prompt_tokens
-        m.prefix_hit_tokens = request.admission.prefix_hit_tokens if request.admission else 0
-        m.discovered_hit_tokens = plan.discovered_tokens
-        m.segment_hit_tokens = plan.tokens(SpanKind.SPLICED) - m.discovered_hit_tokens
-        m.segment_lead_tokens = plan.lead_tokens
-        m.computed_tokens = plan.tokens(SpanKind.COMPUTE)
-        m.recomputed_tokens = prefill.recomputed
-        m.repair_fallback = prefill.repair.fell_back
-        m.prefill_flops = prefill.work.flops
-        for promoted in prefill.promoted:
-            m.store_hit_tokens[promoted.tier] = m.store_hit_tokens.get(promoted.tier, 0) + promoted.num_tokens
-            m.store_load_s += promoted.load_s
+        request.record_prefill()
         if request.params.return_first_logits:
             request.first_logits = logits.clone()
         self.auditor.prefilled(request, logits)

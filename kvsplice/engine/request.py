@@ -14,6 +14,7 @@ from kvsplice.cache.base import CacheSeq
 from kvsplice.engine.audit import AuditFill
 from kvsplice.options import RepairSettings
 from kvsplice.outputs import RequestMetrics, RequestOutput
+from kvsplice.plan import SpanKind
 from kvsplice.prompt import ParsedPrompt
 from kvsplice.reuse.path import Prefill
 from kvsplice.sampling import SamplingParams
@@ -90,6 +91,24 @@ class Request:
         if keyed_from is not None and (exact is None or exact >= keyed_from):
             return self.kv_len
         return self.kv_len if exact is None else min(self.kv_len, exact)
+
+    def record_prefill(self) -> None:
+        """Count what the prefill reused, computed and loaded into the metrics, once it is done."""
+        prefill, m = self.prefill, self.metrics
+        assert prefill is not None and prefill.work.done and self.admission is not None
+        plan = prefill.plan
+        m.prompt_tokens = self.num_prompt_tokens
+        m.prefix_hit_tokens = self.admission.prefix_hit_tokens
+        m.discovered_hit_tokens = plan.discovered_tokens
+        m.segment_hit_tokens = plan.tokens(SpanKind.SPLICED) - m.discovered_hit_tokens
+        m.segment_lead_tokens = plan.lead_tokens
+        m.computed_tokens = plan.tokens(SpanKind.COMPUTE)
+        m.recomputed_tokens = prefill.recomputed
+        m.repair_fallback = prefill.repair.fell_back
+        m.prefill_flops = prefill.work.flops
+        for promoted in prefill.promoted:
+            m.store_hit_tokens[promoted.tier] = m.store_hit_tokens.get(promoted.tier, 0) + promoted.num_tokens
+            m.store_load_s += promoted.load_s
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
