@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsplice.bench.metrics import RequestRecord
+from pool import Pair, interval, pairs  # bench/analyses/ is on the path
+
 from kvsplice.bench.results import BenchResult
 from kvsplice.bench.stats import Interval, paired_difference
 from kvsplice.repair.gate import MIN_SAMPLES
@@ -31,42 +32,33 @@ class Replayed:
     kl_replayed: float
     # Over the requests after the first `first`: what the gate serves once it has calibrated.
     kl_after: float
-    # None where the workload has no answers to judge.
-    delta: Interval | None
-    delta_replayed: Interval | None
+    delta: Interval
+    delta_replayed: Interval
 
 
 def replay(name: str, result: BenchResult, system: str, first: int) -> Replayed:
-    done = [r for r in result.records if not r.warmup and r.ok]
-    reference = {r.request_id: r for r in done if r.system == "off"}
-    spliced = [r for r in done if r.system == system and r.request_id in reference]
-    if len(spliced) <= first:
-        raise ValueError(f"{name}: {len(spliced)} requests of {system}, no more than the {first} replayed")
-    kls = [r.kl or 0.0 for r in spliced]
+    by_setting = pairs(result, system)
+    if len(by_setting) != 1:
+        raise ValueError(f"{name}: settings {sorted(by_setting)}; a replay takes a run of one prompt shape")
+    (both,) = by_setting.values()
+    if len(both) <= first:
+        raise ValueError(f"{name}: {len(both)} requests of {system}, no more than the {first} replayed")
+    kls = [p.system.kl or 0.0 for p in both]
     n = len(kls)
     replayed = [0.0 if i < first else kl for i, kl in enumerate(kls)]
+    delta, delta_replayed = _deltas(both, first)
     return Replayed(
-        name,
-        n,
-        sum(kls) / n,
-        sum(replayed) / n,
-        sum(kls[first:]) / (n - first),
-        *_deltas(spliced, reference, first),
+        name, n, sum(kls) / n, sum(replayed) / n, sum(kls[first:]) / (n - first), delta, delta_replayed
     )
 
 
-def _deltas(
-    spliced: Sequence[RequestRecord], reference: dict[str, RequestRecord], first: int
-) -> tuple[Interval | None, Interval | None]:
-    if any(r.correct is None for r in spliced):
-        return None, None
-    pairs = [(bool(r.correct), bool(reference[r.request_id].correct)) for r in spliced]
-    replayed = [(full, full) if i < first else (own, full) for i, (own, full) in enumerate(pairs)]
-    return paired_difference(pairs), paired_difference(replayed)
-
-
-def _delta(d: Interval | None) -> str:
-    return "–" if d is None else f"{100 * d.estimate:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+def _deltas(both: Sequence[Pair], first: int) -> tuple[Interval, Interval]:
+    """The paired accuracy difference as measured, and with the first `first` answered as in full."""
+    outcomes = [(bool(p.system.correct), bool(p.reference.correct)) for p in both]
+    replayed = [(full, full) if i < first else (own, full) for i, (own, full) in enumerate(outcomes)]
+    delta, delta_replayed = paired_difference(outcomes), paired_difference(replayed)
+    assert delta is not None and delta_replayed is not None, "a replay has pairs"
+    return delta, delta_replayed
 
 
 def table(rows: Sequence[Replayed], first: int) -> str:
@@ -78,7 +70,7 @@ def table(rows: Sequence[Replayed], first: int) -> str:
     for r in rows:
         out.append(
             f"| {r.run} | {r.requests} | {r.kl_mean:.4f} | {r.kl_replayed:.4f} | {r.kl_after:.4f} "
-            f"| {_delta(r.delta)} | {_delta(r.delta_replayed)} |"
+            f"| {interval(r.delta, True)} | {interval(r.delta_replayed, True)} |"
         )
     return "\n".join(out)
 

@@ -72,7 +72,8 @@ class Pooled:
 
 
 def pairs(result: BenchResult, system: str) -> dict[str, list[Pair]]:
-    """The measured requests both `system` and the full prefill answered, by setting."""
+    """The measured requests both `system` and the full prefill answered, by setting; ValueError for a
+    workload without answers to judge (chat, agent)."""
     if system not in result.systems:
         raise ValueError(f"the run ({result.command}) has no system {system!r}; it has {result.systems}")
     done = [r for r in result.records if not r.warmup and r.ok]
@@ -80,7 +81,9 @@ def pairs(result: BenchResult, system: str) -> dict[str, list[Pair]]:
     by_setting: dict[str, list[Pair]] = {}
     for r in done:
         if r.system == system and r.request_id in reference:
-            assert r.kl is not None and r.top1 is not None and r.correct is not None, "a compared record"
+            assert r.kl is not None and r.top1 is not None, "a compared record"
+            if r.correct is None:
+                raise ValueError(f"the run ({result.command}) has no answers to judge")
             by_setting.setdefault(r.setting, []).append(Pair(r, reference[r.request_id]))
     return by_setting
 
@@ -156,7 +159,8 @@ def _pooled(
     )
 
 
-def _interval(i: Interval | None, signed: bool = False) -> str:
+def interval(i: Interval | None, signed: bool = False) -> str:
+    """An interval in percent (points where `signed`), for a table cell; "–" for none."""
     if i is None:
         return "–"
     if signed:
@@ -183,12 +187,12 @@ def table(rows: Sequence[Pooled], system: str) -> str:
         "|---|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(MARGINS) + "---|",
     ]
     for r in rows:
-        shares = " | ".join(f"{_interval(x.top1)} of {x.requests}" for x in r.led)
+        shares = " | ".join(f"{interval(x.top1)} of {x.requests}" for x in r.led)
         out.append(
             f"| {r.model} | {r.setting} | {r.requests} ({', '.join(map(str, r.seeds))}) "
             f"| {100 * r.accuracy:.1f}% ({100 * r.reference_accuracy:.1f}%) "
-            f"| {_interval(r.accuracy_delta, True)} | {_shown(r)} | {r.kl_mean:.4f} | {_interval(r.close)} "
-            f"| {_interval(r.top1)} | {shares} | {', '.join(r.commits)} |"
+            f"| {interval(r.accuracy_delta, True)} | {_shown(r)} | {r.kl_mean:.4f} | {interval(r.close)} "
+            f"| {interval(r.top1)} | {shares} | {', '.join(r.commits)} |"
         )
     return "\n".join(out)
 

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pool import interval  # bench/analyses/ is on the path
+
 from kvsplice.bench.metrics import RequestRecord
 from kvsplice.bench.results import BenchResult
 from kvsplice.bench.stats import Interval, paired_difference, wilson
@@ -116,10 +118,6 @@ def _row(name: str, pairs: Sequence[tuple[RequestRecord, RequestRecord]]) -> Row
     )
 
 
-def _share(i: Interval | None) -> str:
-    return "–" if i is None else f"{100 * i.estimate:.1f}% [{100 * i.low:.0f}, {100 * i.high:.0f}]"
-
-
 def table(rows: Sequence[Row]) -> str:
     r = rows[0]
     out = [
@@ -131,11 +129,10 @@ def table(rows: Sequence[Row]) -> str:
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        d = r.accuracy_delta
         out.append(
             f"| {r.name} | {100 * r.accuracy:.1f}% ({100 * r.reference_accuracy:.1f}%) "
-            f"| {100 * d.estimate:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}] | {_share(r.first_token)} "
-            f"| {_share(r.sure)} | {_share(r.torn)} | {_share(r.same_answer)} |"
+            f"| {interval(r.accuracy_delta, True)} | {interval(r.first_token)} "
+            f"| {interval(r.sure)} | {interval(r.torn)} | {interval(r.same_answer)} |"
         )
     return "\n".join(out)
 
