@@ -52,11 +52,14 @@ def body(docs: list[str], question: str) -> dict[str, Any]:
 
 
 def workload(n: int, pool: list[str]) -> list[dict[str, Any]]:
-    """n requests of three passages of `pool` in turning orders: most reuse passages earlier ones held."""
+    """n requests of three passages of `pool` in turning orders: most reuse passages earlier ones held.
+    Each asks about a topic its passages hold: a question none answers leaves the full prefill torn
+    between topics, where a splice may pick another and the comparison would test nothing but luck."""
     requests = []
     for i in range(n):
-        docs = [pool[(i + j * (1 + i % 2)) % len(pool)] for j in range(3)]
-        requests.append(body(docs, QUESTIONS[i % len(QUESTIONS)]))
+        picked = [(i + j * (1 + i % 2)) % len(pool) for j in range(3)]
+        asked = DOCS.index(pool[picked[i % 3]])
+        requests.append(body([pool[k] for k in picked], QUESTIONS[asked]))
     return requests
 
 
