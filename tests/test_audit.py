@@ -48,7 +48,7 @@ def test_the_audit_records_what_a_direct_full_prefill_comparison_gives(model_dir
     audited = LLM(model=str(model_dir), prefix_cache="radix", audit_ratio=1.0, **SETTINGS)
     plain = LLM(model=str(model_dir), prefix_cache="off", **SETTINGS)
     audited.generate([[SYSTEM, *map(Segment, DOCS), QUESTION]], FIRST)
-    kls, agree = [], 0
+    kls, agree, prompts = [], 0, 0
     orders = ([2, 0, 3, 1], [1, 3], [3, 2, 1, 0], [0, 2])
     for i, order in enumerate(orders):
         # Unrepaired (known damage) and repaired; each order opens with another document, so no request
@@ -56,6 +56,7 @@ def test_the_audit_records_what_a_direct_full_prefill_comparison_gives(model_dir
         options = RequestOptions(repair="none" if i % 2 else "attention")
         got = audited.generate([[SYSTEM, *(Segment(DOCS[d]) for d in order), QUESTION]], FIRST, options)[0]
         assert got.metrics.segment_hit_tokens > 0
+        prompts += len(got.prompt_token_ids)
         want = plain.generate([[*SYSTEM, *(t for d in order for t in DOCS[d]), *QUESTION]], FIRST)[0]
         assert got.first_logits is not None and want.first_logits is not None
         kls.append(kl_divergence(want.first_logits, got.first_logits))
@@ -67,6 +68,8 @@ def test_the_audit_records_what_a_direct_full_prefill_comparison_gives(model_dir
         audited.engine.step()
     stats = audited.engine.stats()
     assert stats.background_tokens > before.background_tokens
+    # Each audit prefilled its whole prompt (one first token each: nothing decoded), counted apart.
+    assert stats.audit_tokens == prompts and stats.audit_flops > 0
     assert sum(c.requests for c in stats.audits) == len(orders) and stats.audits_dropped == 0
     assert sum(c.agreements for c in stats.audits) == agree
     assert sum(c.kl_sum for c in stats.audits) == pytest.approx(sum(kls), rel=1e-4, abs=1e-7)

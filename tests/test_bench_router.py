@@ -28,7 +28,7 @@ def test_layouts_always_include_the_baseline_and_bad_arguments_are_refused() -> 
 
 def _cell(system: str, ttfts: list[float], store_hit_tokens: float) -> Cell:
     sent = [Sent(i, float(i), 0.0, t, t + 1, 100, 4, [1, 2, 3, 4]) for i, t in enumerate(ttfts)]
-    compute = Compute(1000, 4e9, 0, 0, 1000, 0, 0, 600, 0, 400, 0, store_hit_tokens)
+    compute = Compute(1000, 4e9, 0, 0, 1000, 0, 0, 600, 0, 400, 0, store_hit_tokens=store_hit_tokens)
     return Cell(system, "popular", 0.5, 1.0, 10.0, sent, compute)
 
 

@@ -120,19 +120,27 @@ def test_compute_is_the_counters_delta_with_background_work() -> None:
         "kvsplice:prefill_flops_total": 3e9 + 10,
         "kvsplice:decode_flops_total": 1e9 + 10,
         "kvsplice:background_flops_total": 2e9 + 10,
+        "kvsplice:audit_flops_total": 5e8 + 10,
     }
-    after = parse_metrics(_metrics_text(after_values))
+    # The gate's fallbacks, absent before the gate saw a shape: one cell, then 3 of them.
+    after = parse_metrics(_metrics_text(after_values | {"kvsplice:gate_fallbacks_total": 3.0}))
     assert is_idle(after) and not is_idle(parse_metrics(_metrics_text({}, running=1)))
     compute = Compute.delta(before, after)
     assert compute.prompt_tokens == 1000 and compute.segment_hit_tokens == 0
     assert compute.flops == pytest.approx(6e9)
+    assert compute.audit_flops == pytest.approx(5e8) and compute.gate_fallbacks == 3
     assert compute.reuse_share == pytest.approx(0.6)
     with pytest.raises(AssertionError, match="went down"):
         Compute.delta(after, before)
 
 
-def _compute(flops: float, background: float = 0.0, reused: float = 0.0) -> Compute:
-    return Compute(1000, flops, 0, background, 1000, 0, reused, 0, 0, 1000 - reused, 0)
+def _compute(
+    flops: float, background: float = 0.0, reused: float = 0.0, audits: float = 0.0, fallbacks: int = 0
+) -> Compute:
+    return Compute(
+        1000, flops, 0, background, 1000, 0, reused, 0, 0, 1000 - reused, 0,
+        audit_flops=audits, gate_fallbacks=fallbacks,
+    )  # fmt: skip
 
 
 def _sent(index: int, ttft: float | None, tokens: list[int], error: str | None = None) -> Sent:
@@ -141,7 +149,7 @@ def _sent(index: int, ttft: float | None, tokens: list[int], error: str | None =
 
 def test_goodput_counts_requests_within_the_slo_per_second_and_failures_never() -> None:
     sent = [_sent(0, 0.5, [1, 2]), _sent(1, 1.0, [1, 2]), _sent(2, 5.0, [1, 2]), _sent(3, None, [], "429")]
-    cell = Cell("splice", "popular", 1.0, 1.0, 10.0, sent, _compute(6e9, background=1.5e9, reused=400))
+    cell = Cell("splice", "popular", 1.0, 1.0, 10.0, sent, _compute(6e9, 1.5e9, 400, audits=6e8, fallbacks=1))
     s = summarize(cell, slo_s=2.0)
     assert s.errors == 1 and s.within_slo == 0.5
     assert s.goodput_per_s == pytest.approx(0.2) and s.requests_per_s == pytest.approx(0.3)
@@ -149,6 +157,7 @@ def test_goodput_counts_requests_within_the_slo_per_second_and_failures_never() 
     assert s.ttft_p50_s == 1.0 and s.ttft_p99_s == pytest.approx(4.92)
     assert s.gflop_per_request == pytest.approx(2.5)  # 7.5 GFLOP over 3 answered requests
     assert s.background_share == pytest.approx(0.2) and s.reuse_share == pytest.approx(0.4)
+    assert s.audit_share == pytest.approx(0.08) and s.fallback_share == pytest.approx(1 / 3)
 
 
 def test_agreement_compares_first_and_all_tokens_with_the_reference() -> None:
@@ -194,8 +203,8 @@ def test_report_has_a_row_per_rate_and_system_with_ratios_to_radix(tmp_path) -> 
     ]
     splice = rows[1].split(" | ")
     # 2 GFLOP over 2 requests = 1.0 per request, a quarter of radix's; one of two within the SLO.
-    assert splice[9] == "1.0" and splice[11] == "0.25x" and splice[8] == "50%"
-    assert splice[13:15] == ["1/1", "0/1"]
+    assert splice[9] == "1.0" and splice[10:14] == ["0%", "0%", "0%", "0.25x"] and splice[8] == "50%"
+    assert splice[15:17] == ["1/1", "0/1"]
     write(_result(), tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert len(saved["cells"]) == 4 and saved["calibration"]["slo_s"] == 3.0
@@ -241,6 +250,7 @@ def test_traffic_against_real_servers(monkeypatch) -> None:
         # The server's counters saw exactly the cell's requests, background work done.
         assert cell.compute.prompt_tokens == sum(s.prompt_tokens for s in cell.sent) > 0
         assert cell.compute.decode_flops > 0 and cell.agreement is not None and cell.agreement.samples == 1
+        assert 0 <= cell.compute.audit_flops <= cell.compute.background_flops
     assert "| 1.000 | - | splice |" in render(result)
 
 

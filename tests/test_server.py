@@ -334,6 +334,8 @@ def test_metrics_names(server: ServerThread, client: openai.OpenAI, model: str) 
         "kvsplice:decode_flops_total",
         "kvsplice:background_tokens_total",
         "kvsplice:background_flops_total",
+        "kvsplice:audit_tokens_total",
+        "kvsplice:audit_flops_total",
     ]:
         assert name in m, name
     assert m["vllm:prompt_tokens_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] > 0

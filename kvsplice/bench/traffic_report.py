@@ -27,9 +27,14 @@ COUNTERS = {
     "discovered_hit_tokens": "kvsplice:discovered_hit_tokens_total",
     "computed_prompt_tokens": "kvsplice:computed_prompt_tokens_total",
     "recomputed_tokens": "kvsplice:recomputed_tokens_total",
+    "audit_flops": "kvsplice:audit_flops_total",
 }
-# Counters labelled by tier, absent from /metrics until a tier below the pool first serves a hit.
-TIER_COUNTERS = {"store_hit_tokens": "kvsplice:store_hit_tokens_total"}
+# Labelled counters, absent from /metrics until their first label: by tier, until a tier below the
+# pool first serves a hit; by gate cell, until the trust gate first sees a prompt shape.
+LABELLED_COUNTERS = {
+    "store_hit_tokens": "kvsplice:store_hit_tokens_total",
+    "gate_fallbacks": "kvsplice:gate_fallbacks_total",
+}
 # Gauges that are all 0 once a server is idle: nothing running, waiting, or queued in the background.
 IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "kvsplice:background_jobs_queued")
 
@@ -63,14 +68,19 @@ class Compute:
     discovered_hit_tokens: float
     computed_prompt_tokens: float
     recomputed_tokens: float
+    # Of the background FLOPs, the live audit's and the trust gate's full prefills (0 in runs that
+    # predate the count).
+    audit_flops: float = 0.0
     # Of the reused tokens, those loaded from a tier below the pool (on replicas sharing Redis: what
     # another replica computed).
     store_hit_tokens: float = 0.0
+    # Requests the trust gate prefilled in full (their recompute is in prefill_flops).
+    gate_fallbacks: float = 0.0
 
     @staticmethod
     def delta(before: dict[str, float], after: dict[str, float]) -> Compute:
         values = {name: after[metric] - before[metric] for name, metric in COUNTERS.items()}
-        values |= {name: after.get(m, 0.0) - before.get(m, 0.0) for name, m in TIER_COUNTERS.items()}
+        values |= {name: after.get(m, 0.0) - before.get(m, 0.0) for name, m in LABELLED_COUNTERS.items()}
         assert all(v >= 0 for v in values.values()), f"a counter went down: {values}"
         return Compute(**values)
 
@@ -149,6 +159,10 @@ class CellSummary:
     within_slo: float
     gflop_per_request: float
     background_share: float
+    # Of the compute, the audits' (part of background_share).
+    audit_share: float
+    # Share of the answered requests the trust gate prefilled in full.
+    fallback_share: float
     reuse_share: float
     errors: int
 
@@ -169,6 +183,8 @@ def summarize(cell: Cell, slo_s: float) -> CellSummary:
         within_slo=good / len(cell.sent) if cell.sent else 0.0,
         gflop_per_request=c.flops / len(ok) / 1e9 if ok else 0.0,
         background_share=c.background_flops / c.flops if c.flops else 0.0,
+        audit_share=c.audit_flops / c.flops if c.flops else 0.0,
+        fallback_share=c.gate_fallbacks / len(ok) if ok else 0.0,
         reuse_share=c.reuse_share,
         errors=len(cell.sent) - len(ok),
     )
@@ -266,7 +282,9 @@ def _traffic_setup(result: TrafficResult) -> list[str]:
         f"**SLO: TTFT <= {cal.slo_s:.2f} s** ({cal.slo_factor:g} x radix's idle TTFT). Goodput = requests "
         "within the SLO per second of the cell's wall time (first send to last answer).",
         "Compute = FLOPs of prefills, decode steps and background work (the segment store's contexts and "
-        "lead KV), from the server's /metrics read idle before and after the cell, per answered request. "
+        "lead KV, and the audits: the trust gate's samples), from the server's /metrics read idle before "
+        "and after the cell, per answered request. Audits = the audits' share of the compute (part of "
+        "background). Fell back = answered requests the trust gate prefilled in full. "
         "Reused = prompt tokens whose KV was reused (prefix, segment and discovered hits) / prompt tokens. "
         "Fidelity: sampled requests of the cell's second half against a full prefill of the same prompt "
         "(the hash server under a fresh salt), greedy tokens compared; KL is not measured (the server "
@@ -284,9 +302,9 @@ def _mix_table(result: TrafficResult, mix: MixInfo, baseline: str) -> list[str]:
         f"passage slots of a cell's {mix.requests} requests carry a passage seen for the first time.",
         "",
         "| rate (req/s) | load | system | TTFT p50 | TTFT p99 | req/s | out tok/s | goodput (req/s) "
-        f"| within SLO | GFLOP/request | background | compute vs {baseline} | reused | first token = ref "
-        "| all tokens = ref | errors |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| within SLO | GFLOP/request | background | audits | fell back | compute vs {baseline} | reused "
+        "| first token = ref | all tokens = ref | errors |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cells = [c for c in result.cells if c.mix == mix.name]
     for rate in sorted({c.rate for c in cells}):
@@ -299,7 +317,8 @@ def _mix_table(result: TrafficResult, mix: MixInfo, baseline: str) -> list[str]:
                 f"| {rate:.3f} | {'-' if c.load is None else f'{c.load:g}x'} | {c.system} "
                 f"| {_s(s.ttft_p50_s)} | {_s(s.ttft_p99_s)} | {s.requests_per_s:.3f} "
                 f"| {s.output_tokens_per_s:.2f} | {s.goodput_per_s:.3f} | {s.within_slo:.0%} "
-                f"| {s.gflop_per_request:.1f} | {s.background_share:.0%} "
+                f"| {s.gflop_per_request:.1f} | {s.background_share:.0%} | {s.audit_share:.0%} "
+                f"| {s.fallback_share:.0%} "
                 f"| {_ratio(s.gflop_per_request, base.gflop_per_request) if base else '-'} "
                 f"| {s.reuse_share:.0%} "
                 f"| {f'{a.first_token}/{a.samples}' if a else '-'} "

@@ -93,9 +93,11 @@ class BackgroundWork:
         self._filling: tuple[Fill, PrefillWork] | None = None
         self.samples_dropped = 0
         self.leads_dropped = 0
-        # What the fills computed: query tokens through every layer, and FLOPs.
+        # What the fills computed: query tokens through every layer, and FLOPs; of it, the audits'.
         self.computed_tokens = 0
         self.computed_flops = 0.0
+        self.audit_tokens = 0
+        self.audit_flops = 0.0
 
     @property
     def busy(self) -> bool:
@@ -161,7 +163,7 @@ class BackgroundWork:
             return
         logits = None
         while not work.done:
-            logits = self._run(work, len(fill.token_ids))
+            logits = self._run(work, len(fill.token_ids), audit=True)
         self._audited(fill, logits)
 
     def pending_kv(self) -> dict[tuple[Hashable, tuple[int, ...]], PendingKV]:
@@ -208,7 +210,7 @@ class BackgroundWork:
         if self._filling is None:
             return
         fill, work = self._filling
-        logits = self._run(work, tokens)
+        logits = self._run(work, tokens, audit=isinstance(fill, AuditFill))
         if work.done:
             if isinstance(fill, AuditFill):
                 self._audited(fill, logits)
@@ -218,19 +220,24 @@ class BackgroundWork:
             if isinstance(fill, ContextSample):
                 self._sampled(fill)
 
-    def _run(self, work: PrefillWork, tokens: int) -> torch.Tensor | None:
+    def _run(self, work: PrefillWork, tokens: int, audit: bool) -> torch.Tensor | None:
         """Run the next chunk of a fill's work, at most `tokens` long, and count it."""
         chunk = work.next_chunk(tokens)
         result = self.runner.forward(chunk)
-        self.computed_tokens += len(chunk.positions)
-        self.computed_flops += result.flops
+        self._count(len(chunk.positions), result.flops, audit)
         return work.complete(chunk, result)
 
     def _audited(self, fill: AuditFill, logits: torch.Tensor | None) -> None:
         """An audit's prefill is done: compare, and count the answer's decoding it did."""
         fill.finish(logits)
-        self.computed_tokens += fill.decoded_tokens
-        self.computed_flops += fill.decoded_flops
+        self._count(fill.decoded_tokens, fill.decoded_flops, audit=True)
+
+    def _count(self, tokens: int, flops: float, audit: bool) -> None:
+        self.computed_tokens += tokens
+        self.computed_flops += flops
+        if audit:
+            self.audit_tokens += tokens
+            self.audit_flops += flops
 
     @property
     def _keeps_lead(self) -> bool:

@@ -229,6 +229,8 @@ class Engine:
             decode_flops=self._decode_flops,
             background_tokens=background.computed_tokens,
             background_flops=background.computed_flops,
+            audit_tokens=background.audit_tokens,
+            audit_flops=background.audit_flops,
             audits=self.auditor.audits.summary(),
             audits_dropped=self.auditor.audits.dropped,
             gate=self.gate.summary() if self.gate is not None else (),

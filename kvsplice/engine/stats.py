@@ -50,6 +50,10 @@ class EngineStats:
     decode_flops: float = 0.0
     background_tokens: int = 0
     background_flops: float = 0.0
+    # Of the background work: the live audit's full prefills and their decoding (the trust gate's
+    # calibration samples included).
+    audit_tokens: int = 0
+    audit_flops: float = 0.0
     # The live audit's results so far, by tenant salt and prompt shape, and the audits dropped for memory.
     audits: tuple[AuditSummary, ...] = ()
     audits_dropped: int = 0

@@ -220,10 +220,16 @@ class _EngineCollector(Collector):
         yield counter("kvsplice:decode_flops", "FLOPs of decode steps", s.decode_flops)
         yield counter(
             "kvsplice:background_tokens",
-            "Query tokens computed as background work for the segment store (contexts, lead KV)",
+            "Query tokens computed as background work (segment contexts, lead KV, audits)",
             s.background_tokens,
         )
         yield counter("kvsplice:background_flops", "FLOPs of background work", s.background_flops)
+        yield counter(
+            "kvsplice:audit_tokens",
+            "Of the background tokens: the live audit's and trust gate's full prefills and their decoding",
+            s.audit_tokens,
+        )
+        yield counter("kvsplice:audit_flops", "Of the background FLOPs: the audits'", s.audit_flops)
         yield from _audit_metrics(self._model_name, s)
 
 
