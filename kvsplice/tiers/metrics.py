@@ -14,14 +14,15 @@ from prometheus_client.registry import Collector
 
 from kvsplice.tiers.tier import TierStats
 
-# TierStats field -> (metric name, help).
+# TierStats field -> (metric name, help). Bytes and writes count every entry: segments, and the trust
+# gate's record of samples (engine/gate_sync.py); hits, misses and load times count segments only.
 METRICS = {
     "hits": ("kvsplice:store_hits", "Segment lookups served by this tier"),
     "misses": ("kvsplice:store_misses", "Segment lookups this tier did not serve (corrupt entries too)"),
     "corrupt": ("kvsplice:store_corrupt_entries", "Entries that failed verification, deleted and not served"),
-    "bytes_read": ("kvsplice:store_read_bytes", "Bytes read from this tier"),
-    "bytes_written": ("kvsplice:store_written_bytes", "Bytes written to this tier"),
-    "writes": ("kvsplice:store_writes", "Entries written to this tier"),
+    "bytes_read": ("kvsplice:store_read_bytes", "Bytes read from this tier (segments, gate record)"),
+    "bytes_written": ("kvsplice:store_written_bytes", "Bytes written to this tier (segments, gate record)"),
+    "writes": ("kvsplice:store_writes", "Entries written to this tier (segments, gate record)"),
     "load_seconds": ("kvsplice:store_load_seconds", "Seconds spent reading, verifying and decoding hits"),
     "errors": ("kvsplice:store_errors", "Failed tier operations (I/O errors, timeouts, refused connections)"),
     "dropped_writes": ("kvsplice:store_dropped_writes", "Writes dropped: queue full or entry over budget"),
