@@ -27,9 +27,10 @@ from tests.test_store_support import RedisServer
 
 pytestmark = pytest.mark.slow
 
-# No trust gate: replicas behind one Redis share its calibration, so which requests fall back would
-# depend on when they merge, and the answers are compared token for token with a full prefill's.
-FLAGS = ["--kv-cache-gb", "0.25", "--num-threads", "1", "--fidelity-target", "0"]
+# The defaults, trust gate included: its calibration audits run beside the faults and its record goes
+# through the same Redis. Which requests fall back depends on when the replicas merge their samples,
+# but a fallback is a full prefill, and the questions are ones a splice answers as one (`workload`).
+FLAGS = ["--kv-cache-gb", "0.25", "--num-threads", "1"]
 TOPICS = ["river", "mountain", "desert", "forest", "glacier", "volcano", "canyon", "lagoon"]
 # About 120 tokens each: the passages are most of a prompt, as in RAG.
 DOCS = [
@@ -197,7 +198,7 @@ def test_redis_killed_and_restarted_mid_run(redis: RedisServer, reference: Refer
             # Once its circuit closes again, a passage no replica has seen is written to the new server.
             fresh = body(DOCS[6:], QUESTIONS[6])
             assert post(deployment.url, fresh).tokens == reference.tokens(fresh)
-            wait_for(lambda: restarted[0].client().dbsize() > 0, "writes to the restarted Redis")
+            wait_for(lambda: segment_keys(restarted[0].client()), "segment writes to the restarted Redis")
     finally:
         for server in restarted:
             server.kill()
@@ -219,6 +220,8 @@ def test_a_replica_killed_mid_run(redis: RedisServer, reference: Reference, tmp_
         # Only requests the killed replica held may fail (the router retries what it cannot connect to).
         assert tally.failed <= in_flight[0]
         assert tally.completed == 12 - tally.failed
+        # The survivor's trust gate calibrated beside the fault: its audits ran.
+        wait_for(lambda: total(deployment, "kvsplice:audit_tokens_total") > 0, "the gate's audits")
 
 
 def segment_keys(client: Any) -> list[bytes]:
