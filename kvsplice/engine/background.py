@@ -1,4 +1,5 @@
-"""The engine's background work for the segment store: every token of it counted (computed_tokens).
+"""The engine's background work for the segment store, and audits: every token of it counted
+(computed_tokens; audit_tokens of it the audits').
 
     queue(namespace, block_table, prefill)   after a prefill's last chunk: what it missed, and the spans
                                              it moved from earlier prompts, are queued

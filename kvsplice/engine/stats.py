@@ -2,9 +2,9 @@
 the bench and the CLI read this, never the engine's fields.
 
 Compute is counted whole: every forward pass the engine runs is a request's prefill, a decode step or
-background work (copies into the segment store compute nothing; context samples, lead KV and the
-canonical context do), and each is counted in tokens (query positions through every layer they ran)
-and in FLOPs (models/flops.py).
+background work (copies into the segment store compute nothing; context samples, lead KV, the
+canonical context and audits do; audits are also counted apart), and each is counted in tokens
+(query positions through every layer they ran) and in FLOPs (models/flops.py).
 """
 
 from __future__ import annotations
